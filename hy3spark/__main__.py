@@ -1,0 +1,5 @@
+import sys
+
+from hy3spark.cli import main
+
+sys.exit(main())

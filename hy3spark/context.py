@@ -1,0 +1,282 @@
+"""Derive, from a validated spec, every value a deployment uses.
+
+The result is plain data (dicts, lists, strings, ints). It is written into the Ansible inventory
+(`group_vars/all/hy3spark.yml` and one `host_vars/<node>.yml` per node), and the same data feeds the Jinja
+templates on both sides: `hy3spark render` here, the `template` module in the roles. So the preview and the
+deployed files cannot drift: they are one template rendered from one set of variables.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from hy3spark import __version__
+from hy3spark.engines import engine_for
+from hy3spark.spec import Loaded, Node, Spec
+
+MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
+
+CONFIG_DIR = "/etc/hy3spark"
+LOG_DIR = "/var/log/hy3spark"
+STATE_DIR = "/var/lib/hy3spark"
+
+
+def _env_for(spec: Spec, node: Node) -> dict[str, str]:
+    """The per-node env file. VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake)."""
+    iface = spec.fabric.interfaces[0]
+    env = {
+        "VLLM_HOST_IP": str(node.fabric_ip.ip),
+        "MASTER_ADDR": str(spec.head.fabric_ip.ip),
+        "NCCL_SOCKET_IFNAME": iface,
+        "GLOO_SOCKET_IFNAME": iface,
+        "TP_SOCKET_IFNAME": iface,
+        "UCX_NET_DEVICES": iface,
+        "OMPI_MCA_btl_tcp_if_include": iface,
+        "NCCL_IB_DISABLE": "0",
+        "RAY_memory_monitor_refresh_ms": "0",
+        "HF_HUB_CACHE": spec.model.cache_dir,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "VLLM_CONFIG_ROOT": f"{CONFIG_DIR}/vllm",
+    }
+    if spec.fabric.hcas:
+        # "=" makes NCCL match the names exactly; both twins of the cabled port give full bandwidth.
+        env["NCCL_IB_HCA"] = "=" + ",".join(spec.fabric.hcas)
+    if spec.verify_transport:
+        env["NCCL_DEBUG"] = "INFO"
+        env["NCCL_DEBUG_SUBSYS"] = "INIT,NET,GRAPH,ENV"
+    env.update(spec.container.env)
+    return env
+
+
+def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
+    ray = spec.ray
+    argv = ["ray", "start"]
+    if head:
+        argv += ["--head", "--port", str(ray.port)]
+        if ray.dashboard == "off":
+            argv += ["--include-dashboard=false"]
+        else:
+            argv += ["--include-dashboard=true", "--dashboard-host", "127.0.0.1"]
+    else:
+        argv += ["--address", f"{spec.head.fabric_ip.ip}:{ray.port}"]
+    argv += [
+        "--node-ip-address", str(node.fabric_ip.ip),
+        "--num-gpus", str(node.gpus),
+        "--node-manager-port", str(ray.node_manager_port),
+        "--object-manager-port", str(ray.object_manager_port),
+        "--min-worker-port", str(ray.min_worker_port),
+        "--max-worker-port", str(ray.max_worker_port),
+        "--disable-usage-stats",
+    ]
+    if ray.object_store_memory_bytes:
+        argv += ["--object-store-memory", str(ray.object_store_memory_bytes)]
+    return [*argv, "--block"]
+
+
+def _container_for(spec: Spec, node: Node, head: bool) -> dict[str, Any]:
+    """A Ray node container described as data; the ray_head/ray_worker roles turn it into a container."""
+    role = "head" if head else "worker"
+    mounts = [
+        f"{spec.model.cache_dir}:{spec.model.cache_dir}",
+        f"{CONFIG_DIR}:{CONFIG_DIR}:ro",
+        f"{LOG_DIR}:{LOG_DIR}",
+    ]
+    return {
+        "name": f"{spec.container.name_prefix}-{role}",
+        "role": role,
+        "image": spec.image.ref,
+        "command": _ray_argv(spec, node, head),
+        "network_mode": "host",
+        "ipc_mode": "host",
+        "shm_size": spec.container.shm_size,
+        "gpus": spec.container.gpus,
+        "ulimits": ["memlock:-1:-1", "stack:67108864:67108864"],
+        "volumes": mounts,
+        # Non-secret settings only: docker copies an env file into `docker inspect`. Secrets live in a separate
+        # 0600 file under /etc/hy3spark that only the serve launcher reads.
+        "env_file": f"{CONFIG_DIR}/node.env",
+        "optional_devices": ["/dev/infiniband"],
+        "labels": {"io.hy3spark.cluster": spec.name, "io.hy3spark.role": role},
+        "restart_policy": "no",
+    }
+
+
+def docker_run_line(container: dict[str, Any]) -> str:
+    """The `docker run` equivalent of a container definition, for people who think in docker run."""
+    args = ["docker", "run", "-d", "--name", container["name"], "--network", container["network_mode"],
+            "--ipc", container["ipc_mode"]]
+    if container["gpus"]:
+        args += ["--gpus", "all"]
+    if container["shm_size"]:
+        args += ["--shm-size", container["shm_size"]]
+    for ulimit in container["ulimits"]:
+        name, soft, hard = ulimit.split(":")
+        args += ["--ulimit", f"{name}={soft}" if soft == hard else f"{name}={soft}:{hard}"]
+    for dev in container["optional_devices"]:
+        args += ["--device", dev]
+    args += ["--env-file", container["env_file"]]
+    for vol in container["volumes"]:
+        args += ["-v", vol]
+    for key, value in container["labels"].items():
+        args += ["--label", f"{key}={value}"]
+    args += [container["image"], *container["command"]]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _pi_models(spec: Spec, base_url: str) -> dict[str, Any]:
+    pi = spec.pi
+    model: dict[str, Any] = {
+        "id": spec.serving.served_name,
+        "name": pi.model_label,
+        "reasoning": pi.reasoning,
+        "input": ["text"],
+        "contextWindow": spec.serving.max_model_len,
+        "maxTokens": pi.max_tokens,
+        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+    }
+    compat: dict[str, Any] = {}
+    if pi.thinking_level_map:
+        compat["thinkingLevelMap"] = pi.thinking_level_map
+    if pi.reasoning_kwarg:
+        compat["chatTemplateKwargs"] = {pi.reasoning_kwarg: "{thinkingLevel}"}
+    if compat:
+        model["compat"] = compat
+    return {
+        "providers": {
+            pi.provider: {
+                "name": pi.provider_name,
+                "baseUrl": base_url,
+                "api": "openai-completions",
+                # Pi resolves an env var NAME here; the key itself never lands in this file.
+                "apiKey": spec.serving.api_key_env or "none",
+                "models": [model],
+            }
+        }
+    }
+
+
+def build_context(loaded: Loaded) -> dict[str, Any]:
+    """Everything group-wide (`hy3spark`) and per node (`nodes[name]` -> host var `hy3spark_node`)."""
+    spec = loaded.spec
+    engine = engine_for(spec)
+    head_ip = str(spec.head.fabric_ip.ip)
+    client_host = head_ip if spec.serving.host.is_unspecified else str(spec.serving.host)
+    base_url = f"http://{client_host}:{spec.serving.port}/v1"
+    nodes: dict[str, dict[str, Any]] = {}
+    for i, node in enumerate(spec.nodes):
+        head = i == 0
+        container = _container_for(spec, node, head)
+        nodes[node.name] = {
+            "name": node.name,
+            "role": "head" if head else "worker",
+            "index": i,
+            "fabric_ip": str(node.fabric_ip.ip),
+            "fabric_cidr": str(node.fabric_ip),
+            "gpus": node.gpus,
+            "mgmt_ip": str(node.mgmt_ip) if node.mgmt_ip else None,
+            "ssh_host": node.connect_host,
+            "ssh_user": node.ssh_user,
+            "env": _env_for(spec, node),
+            "container": container,
+            "docker_run": docker_run_line(container),
+        }
+    serve_argv = engine.serve_argv()
+    group = {
+        "version": __version__,
+        "managed": MANAGED,
+        "cluster": spec.name,
+        "profile": spec.profile,
+        "spec_sha256": loaded.sha256,
+        "paths": {
+            "config_dir": CONFIG_DIR,
+            "log_dir": LOG_DIR,
+            "state_dir": STATE_DIR,
+            "node_env": f"{CONFIG_DIR}/node.env",
+            "secrets_env": f"{CONFIG_DIR}/secrets.env",
+            "serve_script": f"{CONFIG_DIR}/serve.sh",
+            "serve_log": f"{LOG_DIR}/serve.log",
+            "vllm_config_root": f"{CONFIG_DIR}/vllm",
+        },
+        "head": spec.head.name,
+        "workers": [w.name for w in spec.workers],
+        "node_order": [n.name for n in spec.nodes],
+        "node_count": len(spec.nodes),
+        "gpu_count": spec.gpu_count,
+        "fabric": {
+            "interfaces": list(spec.fabric.interfaces),
+            "interface": spec.fabric.interfaces[0],
+            "hcas": list(spec.fabric.hcas),
+            "mtu": spec.fabric.mtu,
+            "prefix": spec.head.fabric_ip.network.prefixlen,
+            "subnet": str(spec.head.fabric_ip.network),
+            "head_ip": head_ip,
+        },
+        "image": {
+            "ref": spec.image.ref,
+            "digest": spec.image.digest,
+            "worker_source": spec.image.worker_source,
+        },
+        "model": {
+            "repo": spec.model.repo,
+            "revision": spec.model.revision,
+            "cache_dir": spec.model.cache_dir,
+            "repo_dir": spec.model.repo_dir,
+            "size_bytes": spec.model.size_bytes,
+            "token_env": spec.model.token_env,
+        },
+        "serving": {
+            "engine": spec.serving.engine,
+            "served_name": spec.serving.served_name,
+            "host": str(spec.serving.host),
+            "port": spec.serving.port,
+            "base_url": base_url,
+            "tensor_parallel": spec.serving.tensor_parallel,
+            "pipeline_parallel": spec.serving.pipeline_parallel,
+            "max_model_len": spec.serving.max_model_len,
+            "max_num_seqs": spec.serving.max_num_seqs,
+            "api_key_env": spec.serving.api_key_env,
+            "verify_transport": spec.verify_transport,
+            "health_timeout_s": spec.serving.health_timeout_s,
+            "argv": serve_argv,
+            "command": " ".join(shlex.quote(a) for a in serve_argv),
+            # Workers keep their own NCCL/UCX/GLOO settings: vLLM's Ray executor would copy the head's otherwise.
+            "non_carry_over_env": sorted(k for k in nodes[spec.head.name]["env"] if _per_node_env(k)),
+        },
+        "ray": {
+            "port": spec.ray.port,
+            "version": spec.ray.version,
+            "dashboard": spec.ray.dashboard,
+            "address": f"{head_ip}:{spec.ray.port}",
+        },
+        "earlyoom": {
+            "policy": spec.earlyoom.policy,
+            "args": earlyoom_args(spec),
+        },
+        "pi_models": _pi_models(spec, base_url),
+        "pi_settings": {
+            "defaultProvider": spec.pi.provider,
+            "defaultModel": spec.serving.served_name,
+            "defaultThinkingLevel": "high" if spec.pi.reasoning else "off",
+        },
+    }
+    return {"hy3spark": group, "nodes": nodes}
+
+
+def _per_node_env(name: str) -> bool:
+    return name.startswith(("NCCL_", "GLOO_", "UCX_", "TP_", "OMPI_")) or name in {"VLLM_HOST_IP"}
+
+
+def earlyoom_args(spec: Spec) -> str:
+    """EARLYOOM_ARGS for the protect policy: inference processes are avoided, never preferred."""
+    eo = spec.earlyoom
+    # No quotes and no spaces: systemd splits $EARLYOOM_ARGS at whitespace and passes quotes through literally.
+    avoid = "^(" + "|".join(eo.avoid) + ")$"
+    prefer = "^(" + "|".join(eo.prefer) + ")$"
+    return f"-r 3600 -m {eo.mem_percent} -s {eo.swap_percent} --avoid {avoid} --prefer {prefer}"
+
+
+def to_json(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=False) + "\n"

@@ -1,0 +1,44 @@
+"""`vllm serve` from the spec, in the recipe's flag order."""
+
+from __future__ import annotations
+
+import json
+
+from hy3spark.spec import Spec
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+
+    def serve_argv(self) -> list[str]:
+        s, m = self.spec.serving, self.spec.model
+        # The repo id plus a pinned --revision, resolved from the local cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE in the
+        # node env): the same string works on every node because model_sync puts the same tree at the same path.
+        argv = ["vllm", "serve", m.repo, "--revision", m.revision, "--served-model-name", s.served_name]
+        if not s.host.is_unspecified:
+            argv += ["--host", str(s.host)]
+        argv += ["--port", str(s.port), "--tensor-parallel-size", str(s.tensor_parallel)]
+        if s.pipeline_parallel > 1:
+            argv += ["--pipeline-parallel-size", str(s.pipeline_parallel)]
+        # Always explicit: an image default can switch the executor to mp and silently ignore the workers.
+        argv += ["--distributed-executor-backend", "ray"]
+        argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs)]
+        if s.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", s.kv_cache_dtype]
+        argv += ["--gpu-memory-utilization", f"{s.gpu_memory_utilization:.2f}"]
+        if s.speculative_config:
+            argv += ["--speculative-config", json.dumps(s.speculative_config, separators=(",", ":"))]
+        if s.tool_call_parser:
+            argv += ["--tool-call-parser", s.tool_call_parser]
+        if s.reasoning_parser:
+            argv += ["--reasoning-parser", s.reasoning_parser]
+        if s.enable_auto_tool_choice:
+            argv.append("--enable-auto-tool-choice")
+        if s.trust_remote_code:
+            argv.append("--trust-remote-code")
+        if s.enforce_eager:
+            argv.append("--enforce-eager")
+        return [*argv, *s.extra_args]

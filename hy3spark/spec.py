@@ -1,0 +1,576 @@
+"""The cluster spec: one YAML file, merged over a profile, validated before anything runs.
+
+A spec names a profile (`profile: hy3-295b-nvfp4-tp2`) and overrides only what differs. Errors name the field
+path and, when the field is in the user's file, its line: `cluster.yml:14: workers[0].fabric_ip: ...`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hy3spark.errors import SpecError
+
+DEFAULT_SPEC_NAME = "default-cluster.yml"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Shapes of real credentials: a Hugging Face token, an OpenAI-style key, a long opaque string.
+_SECRET_SHAPES = (re.compile(r"^hf_[A-Za-z0-9]{20,}$"), re.compile(r"^sk-[A-Za-z0-9_-]{16,}$"))
+# Keys people reach for when they paste a secret into YAML; extra="forbid" would reject them anyway,
+# but the generic message would not say where the secret belongs instead.
+_SECRET_KEYS = {"token", "hf_token", "api_key", "apikey", "password", "secret", "hf_api_token"}
+# RDMA device names as ibdev2netdev prints them (rocep1s0f1, roceP2p1s0f1, mlx5_0): not socket interfaces.
+_RDMA_NAME = re.compile(r"^(roce[pP]\w*|mlx\d+_\d+|ibp\w+)$")
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+class SpecModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Node(SpecModel):
+    """One DGX Spark."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+    fabric_ip: ipaddress.IPv4Interface = Field(description="this node's OWN fabric address with prefix, 10.0.0.1/24")
+    ssh_host: str | None = Field(default=None, description="address Ansible connects to; default mgmt_ip, else fabric")
+    ssh_user: str = "ubuntu"
+    mgmt_ip: ipaddress.IPv4Address | None = None
+    gpus: Annotated[int, Field(ge=1, le=8)] = 1
+
+    @property
+    def connect_host(self) -> str:
+        if self.ssh_host:
+            return self.ssh_host
+        if self.mgmt_ip:
+            return str(self.mgmt_ip)
+        return str(self.fabric_ip.ip)
+
+
+class Fabric(SpecModel):
+    """The cabled port between the nodes."""
+
+    interfaces: Annotated[list[str], Field(min_length=1)] = Field(
+        description="netdevs of the cabled port; the address goes on the first"
+    )
+    hcas: list[str] = Field(default_factory=list, description="RoCE HCAs of that port: both twins")
+    mtu: Annotated[int, Field(ge=576, le=9216)] = 9000
+
+    @field_validator("interfaces", "hcas")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", name):
+                raise ValueError(f"{name!r} is not a valid device name (1-15 letters, digits, _.:-)")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a device twice")
+        return value
+
+
+class Image(SpecModel):
+    ref: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")] = Field(
+        description="name:tag of the engine image"
+    )
+    digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
+    worker_source: Literal["stream", "pull"] = Field(
+        default="stream", description="stream: docker save | ssh worker docker load over the fabric; pull: registry"
+    )
+
+
+class ModelArch(SpecModel):
+    """config.json numbers the capacity planner needs."""
+
+    num_hidden_layers: Annotated[int, Field(ge=1)]
+    num_key_value_heads: Annotated[int, Field(ge=1)]
+    head_dim: Annotated[int, Field(ge=1)]
+    num_attention_heads: Annotated[int, Field(ge=1)] | None = None
+    mtp_layers: Annotated[int, Field(ge=0)] = 0
+    sliding_window: Annotated[int, Field(ge=1)] | None = None
+    sliding_window_layers: Annotated[int, Field(ge=0)] = 0
+    max_context: Annotated[int, Field(ge=1)]
+    dtype_bytes: Literal[1, 2, 4] = 2
+
+
+class Model(SpecModel):
+    repo: Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")]
+    revision: Annotated[str, Field(min_length=1)] = Field(description="40-character commit sha (or a tag)")
+    cache_dir: str = Field(description="Hugging Face hub cache on every node (HF_HUB_CACHE), same path everywhere")
+    size_bytes: Annotated[int, Field(ge=1)]
+    token_env: str | None = Field(default="HF_TOKEN", description="NAME of the env var holding the HF token")
+    arch: ModelArch
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _abs(cls, value: str) -> str:
+        if not value.startswith("/") or value.rstrip("/") == "":
+            raise ValueError(f"{value!r} must be an absolute path below / (for example /var/lib/hy3spark/hub)")
+        return value.rstrip("/")
+
+    @property
+    def repo_dir(self) -> str:
+        org, name = self.repo.split("/", 1)
+        return f"{self.cache_dir}/models--{org}--{name}"
+
+
+class Serving(SpecModel):
+    engine: Literal["vllm"] = Field(default="vllm", description="inference engine; trtllm is planned")
+    served_name: Annotated[str, Field(pattern=r"^[\w.:-]+$")]
+    host: ipaddress.IPv4Address = ipaddress.IPv4Address("0.0.0.0")
+    port: Annotated[int, Field(ge=1, le=65535)] = 8888
+    tensor_parallel: Annotated[int, Field(ge=1)]
+    pipeline_parallel: Annotated[int, Field(ge=1)] = 1
+    max_model_len: Annotated[int, Field(ge=16)]
+    max_num_seqs: Annotated[int, Field(ge=1)]
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    speculative_config: dict[str, Any] | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    api_key_env: str | None = Field(default=None, description="NAME of the env var holding the API key")
+    open_endpoint: bool = Field(default=False, description="serve without an API key on a non-loopback address")
+    verify_transport: bool | None = Field(default=None, description="NCCL transport gate; default on multi-node")
+    overhead_gib: Annotated[float, Field(ge=0)] = Field(
+        default=3.0, description="activation + non-torch memory per rank (planner); calibrate from a real log"
+    )
+    health_timeout_s: Annotated[int, Field(ge=10)] = 1800
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_on_cmdline(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if arg.split("=", 1)[0] == "--api-key":
+                raise ValueError(
+                    "--api-key would put the key on the process command line; set serving.api_key_env to the "
+                    "name of an environment variable instead"
+                )
+            for managed in ("--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host"):
+                if arg.split("=", 1)[0] == managed:
+                    raise ValueError(f"{managed} is derived from the spec; set the serving field instead")
+        return value
+
+
+class Ray(SpecModel):
+    port: Annotated[int, Field(ge=1, le=65535)] = 6379
+    object_store_memory_bytes: Annotated[int, Field(ge=78643200)] | None = None
+    version: str | None = Field(default=None, description="pin: every node's Ray must report this version")
+    dashboard: Literal["off", "localhost"] = Field(
+        default="off", description="Ray's dashboard/Jobs API runs code for anyone who reaches it (ShadowRay)"
+    )
+    node_manager_port: Annotated[int, Field(ge=1, le=65535)] = 6380
+    object_manager_port: Annotated[int, Field(ge=1, le=65535)] = 6381
+    min_worker_port: Annotated[int, Field(ge=1024, le=65535)] = 20000
+    max_worker_port: Annotated[int, Field(ge=1024, le=65535)] = 20999
+
+    @model_validator(mode="after")
+    def _ports(self) -> Ray:
+        if self.min_worker_port >= self.max_worker_port:
+            raise ValueError("min_worker_port must be below max_worker_port")
+        return self
+
+
+class Container(SpecModel):
+    """How the Ray head/worker containers run (the recipe's docker run flags)."""
+
+    name_prefix: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")] = "hy3spark"
+    shm_size: Annotated[str, Field(pattern=r"^\d+[bkmg]$")] | None = Field(
+        default=None, description="only for a private IPC namespace; with the host's IPC (the default) it is unused"
+    )
+    gpus: bool = Field(default=True, description="request all GPUs (--gpus all); false only for test nodes")
+    env: dict[str, str] = Field(default_factory=dict, description="extra non-secret env for every container")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return value
+
+
+class Earlyoom(SpecModel):
+    policy: Literal["protect", "stop", "leave"] = "protect"
+    mem_percent: Annotated[int, Field(ge=1, le=50)] = 4
+    swap_percent: Annotated[int, Field(ge=1, le=100)] = 100
+    avoid: list[str] = Field(
+        default_factory=lambda: ["vllm", "VLLM", "ray", "raylet", "gcs_server", "python3", "python", "trtllm-serve",
+                                 "mpirun", "dockerd", "containerd", "sshd", "systemd"]
+    )
+    prefer: list[str] = Field(default_factory=lambda: ["chrome", "chromium", "firefox", "code"])
+
+
+class Hardware(SpecModel):
+    total_memory_gib: Annotated[float, Field(gt=0)] = Field(
+        default=121.69, description="what the engine sees as GPU total per node (GB10: 121.69 GiB)"
+    )
+
+
+class Pi(SpecModel):
+    provider: str = "hy3-local"
+    provider_name: str = "Hy3 Local"
+    model_label: str = "Hy3"
+    reasoning: bool = True
+    max_tokens: Annotated[int, Field(ge=1)] = 32768
+    thinking_level_map: dict[str, str] = Field(default_factory=dict)
+    reasoning_kwarg: str | None = None
+
+
+class Spec(SpecModel):
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
+    profile: str | None = None
+    head: Node
+    workers: list[Node] = Field(default_factory=list)
+    fabric: Fabric
+    image: Image
+    model: Model
+    serving: Serving
+    ray: Ray = Ray()
+    container: Container = Container()
+    earlyoom: Earlyoom = Earlyoom()
+    hardware: Hardware = Hardware()
+    pi: Pi = Pi()
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.head, *self.workers]
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    @property
+    def multi_node(self) -> bool:
+        return bool(self.workers)
+
+    @property
+    def verify_transport(self) -> bool:
+        if self.serving.verify_transport is None:
+            return self.multi_node
+        return self.serving.verify_transport
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cross-field rules: the field's known mistakes. Each returns (path, message); the path is a tuple like pydantic's.
+# ---------------------------------------------------------------------------------------------------------------
+Problem = tuple[tuple[str | int, ...], str]
+
+
+def _node_path(index: int) -> tuple[str | int, ...]:
+    return ("head",) if index == 0 else ("workers", index - 1)
+
+
+def _check_nodes(spec: Spec) -> list[Problem]:
+    problems: list[Problem] = []
+    seen: dict[tuple[str, str], int] = {}
+    head_net = spec.head.fabric_ip.network
+    for i, node in enumerate(spec.nodes):
+        path = _node_path(i)
+        keys = [("name", node.name), ("fabric_ip", str(node.fabric_ip.ip))]
+        if node.ssh_host or node.mgmt_ip:  # otherwise it is the fabric address, checked above
+            keys.append(("ssh_host" if node.ssh_host else "mgmt_ip", node.connect_host))
+        for key, value in keys:
+            first = seen.setdefault((key if key == "name" else "address", value), i)
+            if first == i:
+                continue
+            if key == "fabric_ip" and first == 0:
+                msg = f"{value} is the head's address; each node needs its own"
+            else:
+                msg = f"{value!r} is already used by {format_path(_node_path(first))}; each node needs its own {key}"
+            problems.append(((*path, key), msg))
+        if i > 0 and node.fabric_ip.ip not in head_net:
+            problems.append(((*path, "fabric_ip"), f"{node.fabric_ip} is not in the head's fabric subnet {head_net}; "
+                                                   "all fabric addresses must share one subnet"))
+        elif i > 0 and node.fabric_ip.network != head_net:
+            problems.append(((*path, "fabric_ip"), f"prefix /{node.fabric_ip.network.prefixlen} differs from the "
+                                                   f"head's /{head_net.prefixlen}; use one prefix on every node"))
+        ip = node.fabric_ip.ip
+        if ip.is_link_local or ip.is_loopback or ip.is_multicast or ip.is_unspecified:
+            problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, loopback or "
+                                                   "multicast); give the port a static private address such as 10.0.0.1/24"))
+        elif ip in (node.fabric_ip.network.network_address, node.fabric_ip.network.broadcast_address):
+            problems.append(((*path, "fabric_ip"), f"{ip} is the network or broadcast address of "
+                                                   f"{node.fabric_ip.network}"))
+        if node.mgmt_ip is not None and node.mgmt_ip in head_net:
+            problems.append(((*path, "mgmt_ip"), f"{node.mgmt_ip} is inside the fabric subnet {head_net}; the "
+                                                 "management network must be a different subnet"))
+        if i > 0 and node.ssh_user != spec.head.ssh_user:
+            problems.append(((*path, "ssh_user"), f"{node.ssh_user!r} differs from head.ssh_user "
+                                                  f"{spec.head.ssh_user!r}; the head streams the image and model to "
+                                                  "workers as its own user, so use one user on every node"))
+    return problems
+
+
+def _check_fabric(spec: Spec) -> list[Problem]:
+    problems: list[Problem] = []
+    for i, name in enumerate(spec.fabric.interfaces):
+        if name in spec.fabric.hcas or _RDMA_NAME.match(name):
+            problems.append((("fabric", "interfaces", i),
+                             f"{name!r} is an RDMA device (HCA) name, not the network interface that carries the "
+                             "address; put it under fabric.hcas and name the netdev here (`ibdev2netdev` shows the "
+                             "pairing, for example rocep1s0f1 port 1 ==> enp1s0f1np1)"))
+    for i, name in enumerate(spec.fabric.hcas):
+        if not _RDMA_NAME.match(name):
+            problems.append((("fabric", "hcas", i),
+                             f"{name!r} does not look like an RDMA device name (rocep1s0f1, roceP2p1s0f1, mlx5_0); "
+                             "list the HCAs that `ibdev2netdev` maps to the cabled port"))
+    if spec.fabric.mtu < 9000 and spec.multi_node:
+        pass  # allowed (test fabrics, switches without jumbo frames); preflight reports the cost
+    return problems
+
+
+def _check_serving(spec: Spec) -> list[Problem]:
+    problems: list[Problem] = []
+    s, arch = spec.serving, spec.model.arch
+    ranks = s.tensor_parallel * s.pipeline_parallel
+    if ranks != spec.gpu_count:
+        problems.append((("serving", "tensor_parallel"),
+                         f"tensor_parallel x pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel} = {ranks}, "
+                         f"but the cluster has {spec.gpu_count} GPU(s) ({len(spec.nodes)} node(s)); make the product "
+                         "equal the GPU count"))
+    if arch.num_key_value_heads % s.tensor_parallel:
+        divisors = [d for d in range(1, arch.num_key_value_heads + 1) if arch.num_key_value_heads % d == 0]
+        problems.append((("serving", "tensor_parallel"),
+                         f"{s.tensor_parallel} does not divide the model's {arch.num_key_value_heads} KV heads; use "
+                         f"one of {divisors} (and pipeline_parallel for the rest)"))
+    if s.pipeline_parallel > arch.num_hidden_layers:
+        problems.append((("serving", "pipeline_parallel"),
+                         f"{s.pipeline_parallel} stages for {arch.num_hidden_layers} layers"))
+    if s.max_model_len > arch.max_context:
+        problems.append((("serving", "max_model_len"),
+                         f"{s.max_model_len} is above the model's context of {arch.max_context} tokens; use at most "
+                         f"{arch.max_context}"))
+    reserved = {spec.ray.port, spec.ray.node_manager_port, spec.ray.object_manager_port}
+    if s.port in reserved or spec.ray.min_worker_port <= s.port <= spec.ray.max_worker_port:
+        problems.append((("serving", "port"), f"{s.port} collides with a Ray port; pick another serving.port"))
+    if len(reserved) != 3:
+        problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
+    if s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
+        problems.append((("serving", "api_key_env"),
+                         f"the endpoint listens on {s.host}:{s.port} with no API key; set serving.api_key_env to the "
+                         "name of an environment variable holding the key, bind serving.host to 127.0.0.1, or set "
+                         "serving.open_endpoint: true to serve without a key on purpose"))
+    if s.speculative_config is not None and "method" not in s.speculative_config:
+        problems.append((("serving", "speculative_config"), "needs a 'method' (for example mtp)"))
+    return problems
+
+
+def _check_secret_refs(spec: Spec) -> list[Problem]:
+    problems: list[Problem] = []
+    for path, value, example in ((("model", "token_env"), spec.model.token_env, "HF_TOKEN"),
+                                 (("serving", "api_key_env"), spec.serving.api_key_env, "VLLM_API_KEY")):
+        if value is None:
+            continue
+        if _looks_secret(value):
+            problems.append((path, "looks like a secret written inline; secrets never go in the spec: put the value "
+                                   f"in an environment variable and write its NAME here (for example {example})"))
+        elif not _ENV_NAME.match(value):
+            problems.append((path, f"{value!r} is not an environment variable name (for example {example})"))
+    return problems
+
+
+def _looks_secret(value: str) -> bool:
+    return any(p.match(value) for p in _SECRET_SHAPES)
+
+
+_RULES = (_check_secret_refs, _check_nodes, _check_fabric, _check_serving)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: YAML with line numbers, profile merge, pydantic, then the rules above.
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Loaded:
+    spec: Spec
+    source: str
+    sha256: str
+    warnings: list[str] = field(default_factory=list)
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key and sequence item."""
+
+
+def _compose_lines(text: str, source: str) -> tuple[Any, dict[tuple[str | int, ...], int]]:
+    try:
+        node = yaml.compose(text, Loader=_LineLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(source, [f"{where}: malformed YAML: {problem}"]) from None
+    lines: dict[tuple[str | int, ...], int] = {}
+
+    def walk(n: yaml.Node, path: tuple[str | int, ...]) -> None:
+        lines.setdefault(path, n.start_mark.line + 1)
+        if isinstance(n, yaml.MappingNode):
+            for key, value in n.value:
+                p = (*path, str(key.value))
+                lines[p] = key.start_mark.line + 1
+                walk(value, p)
+        elif isinstance(n, yaml.SequenceNode):
+            for i, item in enumerate(n.value):
+                walk(item, (*path, i))
+
+    if node is not None:
+        walk(node, ())
+    try:
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:  # duplicate anchors etc. that compose accepted
+        raise SpecError(source, [f"{source}: malformed YAML: {exc}"]) from None
+    return data, lines
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def profiles_dir() -> Path:
+    return Path(str(resources.files("hy3spark") / "profiles"))
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in profiles_dir().glob("*.yml"))
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    path = profiles_dir() / f"{name}.yml"
+    if not path.is_file():
+        raise KeyError(name)
+    data = yaml.safe_load(path.read_text())
+    data.pop("description", None)
+    return data
+
+
+def profile_description(name: str) -> str:
+    data = yaml.safe_load((profiles_dir() / f"{name}.yml").read_text())
+    return str(data.get("description", ""))
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` wins; mappings merge key by key, anything else (lists included) is replaced whole."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _find_inline_secrets(data: Any, path: tuple[str | int, ...] = ()) -> list[Problem]:
+    problems: list[Problem] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            p = (*path, str(key))
+            if str(key).lower() in _SECRET_KEYS:
+                problems.append((p, "secrets are never written in the spec; export the secret as an environment "
+                                    "variable and reference its NAME (model.token_env: HF_TOKEN, "
+                                    "serving.api_key_env: VLLM_API_KEY)"))
+            else:
+                problems.extend(_find_inline_secrets(value, p))
+    elif isinstance(data, list):
+        for i, item in enumerate(data):
+            problems.extend(_find_inline_secrets(item, (*path, i)))
+    elif isinstance(data, str) and _looks_secret(data):
+        problems.append((path, "looks like a secret written inline; secrets never go in the spec: put it in an "
+                               "environment variable and reference the variable's NAME"))
+    return problems
+
+
+def _pydantic_problem(err: dict[str, Any]) -> Problem:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
+    kind, msg, given = err["type"], err["msg"], err.get("input")
+    if kind == "extra_forbidden":
+        return loc, "unknown field; check the spelling (see README 'The cluster spec' for every field)"
+    if kind == "missing":
+        return loc, "is required"
+    msg = msg.removeprefix("Value error, ")
+    if isinstance(given, (str, int, float)) and not isinstance(given, bool):
+        return loc, f"{given!r}: {msg}"
+    return loc, msg
+
+
+def load_spec(path: Path | None = None) -> Loaded:
+    """Read, merge and validate a spec; `None` means the embedded default. Raises SpecError with every problem."""
+    if path is None:
+        source = f"<embedded {DEFAULT_SPEC_NAME}>"
+        text = (resources.files("hy3spark") / DEFAULT_SPEC_NAME).read_text()
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise SpecError(source, [f"{source}: cannot read the spec: {exc.strerror}"]) from None
+    return parse_spec(text, source)
+
+
+def parse_spec(text: str, source: str) -> Loaded:
+    data, lines = _compose_lines(text, source)
+    if not isinstance(data, dict):
+        raise SpecError(source, [f"{source}:1: the spec must be a YAML mapping (name:, profile:, head:, ...)"])
+
+    def where(path: tuple[str | int, ...]) -> str:
+        for cut in range(len(path), 0, -1):
+            if path[:cut] in lines:
+                return f"{source}:{lines[path[:cut]]}: "
+        origin = f" (value from profile {data.get('profile')})" if data.get("profile") else ""
+        return f"{source}{origin}: "
+
+    def render(problems: list[Problem]) -> list[str]:
+        return [f"{where(p)}{format_path(p) or '(top level)'}: {m}" for p, m in problems]
+
+    secret_problems = _find_inline_secrets(data)
+    if secret_problems:
+        raise SpecError(source, render(secret_problems))
+
+    merged = data
+    profile = data.get("profile")
+    if profile is not None:
+        try:
+            merged = deep_merge(load_profile(str(profile)), data)
+        except KeyError:
+            raise SpecError(source, render([(("profile",), f"unknown profile {profile!r}; available: "
+                                                           f"{', '.join(available_profiles())}")])) from None
+    try:
+        spec = Spec.model_validate(merged)
+    except ValidationError as exc:
+        raise SpecError(source, render([_pydantic_problem(e) for e in exc.errors()])) from None
+
+    problems: list[Problem] = []
+    for rule in _RULES:
+        problems.extend(rule(spec))
+    if problems:
+        raise SpecError(source, render(problems))
+
+    warnings = []
+    if not _SHA.match(spec.model.revision):
+        warnings.append(f"{where(('model', 'revision'))}model.revision: {spec.model.revision!r} is not a commit sha; "
+                        "a branch or tag can move under you: pin the 40-character sha the hub shows")
+    if spec.multi_node and len(spec.fabric.hcas) == 1:
+        warnings.append(f"{where(('fabric', 'hcas'))}fabric.hcas: only one RoCE device listed; a cabled Spark port has "
+                        "two twins (e.g. rocep1s0f1,roceP2p1s0f1) and NCCL runs at about half speed on one")
+    if spec.multi_node and spec.fabric.mtu < 9000:
+        warnings.append(f"{where(('fabric', 'mtu'))}fabric.mtu: {spec.fabric.mtu} is below 9000; RoCE throughput "
+                        "drops with standard frames")
+    if spec.serving.open_endpoint and not spec.serving.host.is_loopback:
+        warnings.append(f"{where(('serving', 'open_endpoint'))}serving.open_endpoint: the endpoint on "
+                        f"{spec.serving.host}:{spec.serving.port} answers anyone who can reach it, without a key")
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    return Loaded(spec=spec, source=source, sha256=digest, warnings=warnings)
