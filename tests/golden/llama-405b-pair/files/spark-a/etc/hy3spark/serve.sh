@@ -1,0 +1,14 @@
+#!/bin/bash
+# Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file.
+# Runs inside the head container (docker exec -d). Ray is PID 1 there, so the engine's output is sent both to
+# /var/log/hy3spark/serve.log and to PID 1's stdout: `docker logs` shows it.
+set -euo pipefail
+if [ -r /etc/hy3spark/secrets.env ]; then
+  # Secrets reach the engine's environment from a 0600 file, never its command line.
+  set -a
+  . /etc/hy3spark/secrets.env
+  set +a
+fi
+exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
+echo "hy3spark: starting vllm for llama405-pair (spec 040b9523be08)"
+exec vllm serve hugging-quants/Meta-Llama-3.1-405B-Instruct-AWQ-INT4 --revision main --served-model-name llama-405b --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 32768 --max-num-seqs 4 --kv-cache-dtype fp8 --gpu-memory-utilization 0.90 --tool-call-parser llama3_json --enable-auto-tool-choice --enforce-eager

@@ -1,0 +1,213 @@
+"""Rendering: golden files for every profile, real `netplan generate`, and the CLI's --out/--diff/--only/--format."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from golden import GOLDEN, cases
+from hy3spark.render import render_all
+from hy3spark.spec import load_spec, parse_spec
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_render_matches_golden(name: str) -> None:
+    outputs = render_all(load_spec(CASES[name]))
+    expected = sorted(p.relative_to(GOLDEN / name).as_posix() for p in (GOLDEN / name).rglob("*") if p.is_file())
+    assert sorted(o.path for o in outputs) == expected, "rendered file set changed: run tests/golden.py and review"
+    for out in outputs:
+        assert out.content == (GOLDEN / name / out.path).read_text(), f"{out.path} differs: run tests/golden.py"
+
+
+def _netplan() -> str:
+    exe = shutil.which("netplan") or ("/usr/sbin/netplan" if Path("/usr/sbin/netplan").exists() else None)
+    assert exe, "netplan is missing: install Debian's netplan.io (scripts/ensure-docker does)"
+    return exe
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_netplan_file_passes_netplan_generate(name: str, tmp_path: Path) -> None:
+    netplans = [o for o in render_all(load_spec(CASES[name])) if o.kind == "netplan"]
+    assert netplans
+    for out in netplans:
+        root = tmp_path / out.path.split("/")[1]
+        target = root / "etc/netplan/60-hy3spark-fabric.yaml"
+        target.parent.mkdir(parents=True)
+        target.write_text(out.content)
+        target.chmod(0o600)
+        proc = subprocess.run([_netplan(), "generate", "--root-dir", str(root)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        networkd = root / "run/systemd/network"
+        unit = next(networkd.glob("10-netplan-*.network")).read_text()
+        assert "Name=enp1s0f1np1" in unit
+        assert "Address=10.0.0." in unit
+        link = next(networkd.glob("10-netplan-*.link")).read_text()
+        assert "MTUBytes=9000" in link
+
+
+def test_netplan_never_names_the_management_interface() -> None:
+    for name in CASES:
+        for out in render_all(load_spec(CASES[name])):
+            if out.kind == "netplan":
+                ifaces = yaml.safe_load(out.content)["network"]["ethernets"]
+                assert list(ifaces) == ["enp1s0f1np1"]
+                assert "192.168." not in out.content
+                assert out.mode == 0o600
+
+
+def test_each_node_env_has_its_own_vllm_host_ip() -> None:
+    outputs = {o.path: o.content for o in render_all(load_spec(None))}
+    assert "VLLM_HOST_IP=10.0.0.1\n" in outputs["files/spark-a/etc/hy3spark/node.env"]
+    assert "VLLM_HOST_IP=10.0.0.2\n" in outputs["files/spark-b/etc/hy3spark/node.env"]
+    for node in ("spark-a", "spark-b"):
+        env = outputs[f"files/{node}/etc/hy3spark/node.env"]
+        assert "MASTER_ADDR=10.0.0.1\n" in env
+        assert "NCCL_IB_HCA==rocep1s0f1,roceP2p1s0f1\n" in env
+        assert "NCCL_SOCKET_IFNAME=enp1s0f1np1\n" in env
+        assert "RAY_memory_monitor_refresh_ms=0\n" in env
+
+
+def test_default_serve_command_has_the_recipes_flags() -> None:
+    outputs = {o.path: o.content for o in render_all(load_spec(None))}
+    serve = outputs["files/spark-a/etc/hy3spark/serve.sh"]
+    line = next(x for x in serve.splitlines() if x.startswith("exec vllm"))
+    argv = shlex.split(line)[1:]
+    recipe = ("--served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray "
+              "--max-model-len 131072 --max-num-seqs 6 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 "
+              "--speculative-config {\"method\":\"mtp\",\"num_speculative_tokens\":1} --tool-call-parser hy_v3 "
+              "--reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager").split()
+    assert argv[:5] == ["vllm", "serve", "kodelow/Hy3-NVFP4-W4A16", "--revision", "main"]
+    assert argv[5:] == recipe
+    assert "--api-key" not in serve
+
+
+def test_default_containers_have_the_recipes_settings() -> None:
+    outputs = {o.path: o.content for o in render_all(load_spec(None))}
+    head = json.loads(outputs["files/spark-a/container.json"])
+    assert head["network_mode"] == "host" and head["ipc_mode"] == "host" and head["gpus"] is True
+    assert head["ulimits"] == ["memlock:-1:-1", "stack:67108864:67108864"]
+    assert head["command"][:3] == ["ray", "start", "--head"]
+    assert "--include-dashboard=false" in head["command"]
+    assert head["command"][head["command"].index("--node-ip-address") + 1] == "10.0.0.1"
+    worker = json.loads(outputs["files/spark-b/container.json"])
+    assert worker["command"][2:4] == ["--address", "10.0.0.1:6379"]
+    assert worker["command"][worker["command"].index("--node-ip-address") + 1] == "10.0.0.2"
+    run = outputs["files/spark-b/docker-run.sh"]
+    assert "--ulimit memlock=-1 --ulimit stack=67108864" in run and "--gpus all" in run
+
+
+def test_earlyoom_protect_avoids_engines_and_never_prefers_them() -> None:
+    import re
+
+    outputs = {o.path: o.content for o in render_all(load_spec(None))}
+    args = outputs["files/spark-a/etc/default/earlyoom"].split('EARLYOOM_ARGS="')[1].split('"')[0].split()
+    avoid = re.compile(args[args.index("--avoid") + 1])
+    prefer = re.compile(args[args.index("--prefer") + 1])
+    for proc in ("vllm", "VLLM", "ray", "raylet", "python3", "python", "trtllm-serve"):
+        assert avoid.search(proc), proc
+        assert not prefer.search(proc), proc
+
+
+def test_single_node_inventory_has_no_workers() -> None:
+    outputs = {o.path: o.content for o in render_all(load_spec(CASES["gpt-oss-single"]))}
+    hosts = yaml.safe_load(outputs["inventory/hosts.yml"])
+    assert hosts["all"]["children"]["hy3spark_head"]["hosts"] == {"spark-a": {"ansible_host": "192.168.1.10",
+                                                                            "ansible_user": "ubuntu"}}
+    assert hosts["all"]["children"]["hy3spark_workers"]["hosts"] == {}
+    assert not any(p.startswith("files/spark-b") for p in outputs)
+
+
+def test_four_spark_cluster_renders_one_env_per_node() -> None:
+    text = (Path(CASES["hy3-two-spark"]).read_text()
+            .replace("workers:\n", "workers:\n" + "".join(
+                f"  - name: spark-{c}\n    fabric_ip: 10.0.0.{i}/24\n    ssh_user: ubuntu\n"
+                for c, i in (("c", 3), ("d", 4))))
+            + "serving:\n  tensor_parallel: 4\n  api_key_env: VLLM_API_KEY\n")
+    loaded = parse_spec(text, "four.yml")
+    outputs = {o.path: o.content for o in render_all(loaded)}
+    for name, ip in (("spark-a", 1), ("spark-b", 2), ("spark-c", 3), ("spark-d", 4)):
+        assert f"VLLM_HOST_IP=10.0.0.{ip}\n" in outputs[f"files/{name}/etc/hy3spark/node.env"]
+    assert "--tensor-parallel-size 4" in outputs["files/spark-a/etc/hy3spark/serve.sh"]
+    hosts = yaml.safe_load(outputs["inventory/hosts.yml"])
+    assert sorted(hosts["all"]["children"]["hy3spark_workers"]["hosts"]) == ["spark-b", "spark-c", "spark-d"]
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------------
+def test_render_with_no_arguments_previews_the_default(cli) -> None:
+    result = cli("render")
+    assert result.code == 0
+    assert "==> files/spark-a/etc/netplan/60-hy3spark-fabric.yaml (mode 0600) <==" in result.out
+    assert "==> files/pi/models.json (mode 0644) <==" in result.out
+    assert "exec vllm serve kodelow/Hy3-NVFP4-W4A16" in result.out
+
+
+def test_render_only_by_kind_and_glob(cli) -> None:
+    result = cli("render", "--only", "netplan")
+    assert result.out.count("==> ") == 2 and "netplan" in result.out
+    result = cli("render", "--only", "files/spark-b/*")
+    assert "files/spark-a" not in result.out and "files/spark-b/etc/hy3spark/node.env" in result.out
+    result = cli("render", "--only", "nothing-like-this")
+    assert result.code == 1 and "matches no rendered file" in result.err
+
+
+def test_render_json(cli) -> None:
+    result = cli("render", "--format", "json", "--only", "pi")
+    data = json.loads(result.out)
+    assert [f["path"] for f in data["files"]] == ["files/pi/models.json", "files/pi/settings.json"]
+    models = json.loads(data["files"][0]["content"])
+    assert models["providers"]["hy3-local"]["baseUrl"] == "http://10.0.0.1:8888/v1"
+    assert models["providers"]["hy3-local"]["apiKey"] == "VLLM_API_KEY"
+
+
+def test_render_out_then_diff(cli, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    result = cli("render", "--out", str(out))
+    assert result.code == 0 and "wrote 18 files" in result.out
+    assert (out / "files/spark-a/etc/netplan/60-hy3spark-fabric.yaml").stat().st_mode & 0o777 == 0o600
+    assert (out / "files/spark-a/etc/hy3spark/node.env").stat().st_mode & 0o777 == 0o600
+    assert not list(out.rglob(".*.yml.*")), "no temp files left behind"
+    assert cli("render", "--diff", str(out)).out.startswith("no changes")
+
+    spec = tmp_path / "c.yml"
+    spec.write_text((Path(__file__).parent.parent / "hy3spark/default-cluster.yml").read_text()
+                    .replace("mtu: 9000", "mtu: 4200"))
+    diff = cli("render", str(spec), "--diff", str(out))
+    assert diff.code == 1
+    assert "-      mtu: 9000\n+      mtu: 4200\n" in diff.out
+
+    # A spec with one worker fewer: --out removes the files the old render made and this one does not.
+    single = tmp_path / "single.yml"
+    single.write_text(spec.read_text().split("workers:")[0] + "fabric:\n  interfaces: [enp1s0f1np1]\n"
+                      "  hcas: [rocep1s0f1, roceP2p1s0f1]\nserving:\n  tensor_parallel: 1\n")
+    result = cli("render", str(single), "--out", str(out))
+    assert result.code == 0, result.err
+    assert "removed files/spark-b/etc/hy3spark/node.env (no longer rendered)" in result.out
+    assert not (out / "files/spark-b/etc/hy3spark/node.env").exists()
+    assert not (out / "inventory/host_vars/spark-b.yml").exists()
+
+
+def test_render_out_refuses_bad_spec_and_keeps_the_previous_render(cli, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    assert cli("render", "--out", str(out)).code == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    bad = tmp_path / "bad.yml"
+    bad.write_text("name: x\nprofile: hy3-295b-nvfp4-tp2\n")
+    result = cli("render", str(bad), "--out", str(out))
+    assert result.code == 3 and "head: is required" in result.err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_repo_inventory_is_the_default_render() -> None:
+    """The committed inventory/ is what `./hy3 render --out .` gives for the embedded default: never stale."""
+    repo = Path(__file__).resolve().parent.parent
+    for out in render_all(load_spec(None)):
+        if out.kind == "inventory":
+            assert (repo / out.path).read_text() == out.content, f"{out.path} is stale: ./hy3 render --out ."
