@@ -1,0 +1,620 @@
+"""Predict vLLM's KV cache before the model loads.
+
+A Hy3 load takes about ten minutes and vLLM only says at the end whether the configuration can serve, in two startup
+lines: ``GPU KV cache size: N tokens`` and ``Maximum concurrency for L tokens per request: C.CCx``. This module
+computes both from the model's shape and the serving knobs, the way vLLM 0.23 does (read from its source:
+``vllm/v1/worker/utils.py`` ``request_memory``, ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``,
+``vllm/v1/kv_cache_interface.py`` ``FullAttentionSpec``/``SlidingWindowSpec``, ``vllm/v1/core/kv_cache_utils.py``
+``get_kv_cache_groups``/``get_kv_cache_configs``/``get_max_concurrency_for_kv_cache_config``):
+
+- per rank: ``requested = ceil(total * gpu_memory_utilization)``; ``available = requested - weights - overhead``;
+  ``num_blocks = available // page // group_size``, where ``page = 16 * kv_heads_per_rank * 2 * head_dim * kv_bytes``
+  and ``group_size`` is the number of layers in the rank's largest KV cache group; then the minimum over ranks;
+- layers are grouped as vLLM's hybrid allocator does: one group when every layer has the same attention type;
+  otherwise the layers of each type are split into groups of ``group_size`` layers (the smallest type's count, or the
+  largest when it is under 1.5x the smallest), each type's layers dealt round-robin (``layers[i::num_groups]``);
+- a full-length request needs ``ceil(L / 16)`` blocks in each full-attention group and
+  ``ceil(min(window - 1 + max_num_batched_tokens, L) / 16) + 1`` in each sliding-window group;
+  concurrency = num_blocks / (sum over groups); tokens = int(concurrency * L) (the group-aware capacity vLLM logs since
+  PR #42206; before it, vLLM logged ``num_blocks // num_groups * 16``, the same number for full-attention models
+  whenever L is a multiple of 16).
+
+What is approximated, and why:
+
+- ``overhead`` (activation peak + non-torch growth + CUDA-graph estimate) is the one empirical term: vLLM measures it
+  by running the model. It comes from a profile default, ``--overhead``, or :func:`calibrate_overhead` on a real log.
+- Weights are split evenly over TP x PP ranks (``weight_bytes / (TP * PP)``) unless ``weights_per_rank_bytes`` says
+  otherwise; with PP the embedding and LM head make the first and last stages heavier than that.
+- Sliding-window layers are taken as evenly interleaved with full ones (true of gpt-oss, which alternates); vLLM reads
+  the real per-layer pattern. It only changes the result under PP, where it decides which stage gets which layers.
+- MTP/draft layers are full-attention layers with the main layers' KV shape, on the last PP stage.
+- The hybrid allocator is assumed on (vLLM's default). ``--disable-hybrid-kv-cache-manager`` (or a KV connector that
+  forces it) turns sliding-window layers into full ones, which this module does not model.
+- Block size 16 (vLLM's CUDA default). A backend that forces another block size keeps the pool the same size but
+  rounds requests to other block boundaries.
+- vLLM checks that one full-length request fits on each rank in turn and reports the first failing rank's estimated
+  maximum model length; this module reports the smallest over all ranks, the length that fits everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+GIB = 1 << 30
+# vLLM's default KV block size on CUDA (CacheConfig.block_size).
+BLOCK_SIZE = 16
+# What vLLM reports as total memory on a DGX Spark (GB10), seen in several public startup logs.
+GB10_TOTAL_MEMORY_BYTES = int(121.69 * GIB)
+# vLLM's default max_num_batched_tokens for `vllm serve` on a GPU with >= 70 GiB (arg_utils); it only matters for
+# sliding-window layers, whose per-request blocks grow with the chunked-prefill chunk.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+_FP8_KV_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"})
+_TWO_BYTE_KV_DTYPES = frozenset({"bfloat16", "float16"})
+
+
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that stops vLLM from starting (error) or from serving as configured (warning); says what to change."""
+
+    severity: Severity
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers from config.json (and the checkpoint index) that size the KV cache."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    weight_bytes: int
+    dtype_bytes: int = 2
+    mtp_layers: int = 0
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_hidden_layers", "num_key_value_heads", "head_dim", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_bytes < 0 or self.mtp_layers < 0 or self.sliding_window_layers < 0:
+            raise ValueError("ModelShape.weight_bytes, mtp_layers and sliding_window_layers must be >= 0")
+        if self.sliding_window_layers > self.num_hidden_layers:
+            raise ValueError(
+                f"ModelShape.sliding_window_layers ({self.sliding_window_layers}) exceeds num_hidden_layers "
+                f"({self.num_hidden_layers})"
+            )
+        if self.sliding_window_layers and not self.sliding_window:
+            raise ValueError("ModelShape.sliding_window_layers > 0 needs sliding_window (the window in tokens)")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The vLLM serving knobs that size the KV cache."""
+
+    tensor_parallel: int
+    max_model_len: int
+    max_num_seqs: int
+    pipeline_parallel: int = 1
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        known = {"auto"} | _FP8_KV_DTYPES | _TWO_BYTE_KV_DTYPES
+        if self.kv_cache_dtype not in known:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(sorted(known))}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory per GPU and where the non-KV part goes. One GPU per rank (a DGX Spark has one)."""
+
+    gpu_memory_utilization: float
+    total_memory_bytes: int
+    overhead_bytes: int
+    # Where overhead_bytes came from, shown next to the plan: "profile default", "calibrated from <log>", "--overhead".
+    overhead_source: str
+    # The lowest MemAvailable over the nodes; vLLM refuses to start when free < requested (unified memory: free is
+    # the OS's MemAvailable).
+    free_memory_bytes: int | None = None
+    weights_per_rank_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.total_memory_bytes < 1 or self.overhead_bytes < 0:
+            raise ValueError("total_memory_bytes must be >= 1 and overhead_bytes >= 0")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One vLLM KV cache group: layers of one attention type sharing a block table."""
+
+    kind: str  # "full" or "sliding"
+    layers: tuple[int, ...]  # indices into the model's attention layers (MTP layers follow the hidden layers)
+    blocks_per_request: int  # blocks one max_model_len request needs in this group
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank's memory budget. The budget fields are None when planned from a known available KV memory."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    kv_layers: int
+    total_bytes: int | None
+    requested_bytes: int | None
+    weights_bytes: int | None
+    overhead_bytes: int | None
+    kv_available_bytes: int
+    num_blocks: int
+    kv_needed_bytes: int  # KV memory one max_model_len request needs on this rank (vLLM's startup check)
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[RankRow, ...]
+    groups: tuple[KVGroup, ...]
+    kv_heads_per_rank: int
+    page_bytes: int  # bytes of one block of one layer
+    num_blocks: int  # min over ranks: what every rank allocates
+    blocks_per_request: int
+    max_model_len: int
+    max_concurrency: float
+    kv_cache_tokens: int
+    overhead_source: str | None
+    problems: tuple[Problem, ...]
+
+    @property
+    def kv_cache_size_line(self) -> str:
+        """The startup line exactly as vLLM logs it (``"GPU KV cache size: %s tokens"`` with ``f"{n:,}"``)."""
+        return f"GPU KV cache size: {self.kv_cache_tokens:,} tokens"
+
+    @property
+    def max_concurrency_line(self) -> str:
+        """The startup line exactly as vLLM logs it (``"Maximum concurrency for %s tokens per request: %.2fx"``)."""
+        return f"Maximum concurrency for {self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity is Severity.ERROR for p in self.problems)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes per KV element: 1 for fp8 caches, else the named dtype, and the model's dtype for "auto"."""
+    if kv_cache_dtype in _FP8_KV_DTYPES:
+        return 1
+    if kv_cache_dtype in _TWO_BYTE_KV_DTYPES:
+        return 2
+    return model_dtype_bytes
+
+
+def _pp_stage_layers(num_hidden_layers: int, pp_size: int) -> list[range]:
+    """Hidden layers of each PP stage, as vLLM's get_pp_indices splits them (no VLLM_PP_LAYER_PARTITION)."""
+    per_stage = [num_hidden_layers // pp_size] * pp_size
+    # vLLM gives the remainder to the stages before the last one: the last also holds the LM head.
+    for i in range(2, num_hidden_layers % pp_size + 2):
+        per_stage[-i] += 1
+    stages, start = [], 0
+    for count in per_stage:
+        stages.append(range(start, start + count))
+        start += count
+    return stages
+
+
+def _layer_kinds(shape: ModelShape) -> list[str]:
+    sliding, total = shape.sliding_window_layers, shape.num_hidden_layers
+    # Even interleaving: layer i is sliding when i*S mod N < S, which for gpt-oss (18 of 36) alternates starting
+    # with a sliding layer, as its config.json layer_types do.
+    kinds = ["sliding" if (i * sliding) % total < sliding else "full" for i in range(total)]
+    return kinds + ["full"] * shape.mtp_layers
+
+
+def _kv_cache_groups(kinds: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """vLLM's get_kv_cache_groups for layers that share one page size (same KV heads, head_dim and dtype)."""
+    same_type: dict[str, list[int]] = defaultdict(list)
+    for index, kind in enumerate(kinds):
+        same_type[kind].append(index)
+    if len(same_type) == 1:
+        kind, layers = next(iter(same_type.items()))
+        return [(kind, tuple(layers))]
+    # _get_kv_cache_groups_uniform_page_size: groups of equal size, the n:1 pattern's "1" as the size unless the
+    # counts are close (gpt-oss + a drafter: 12 sliding + 13 full become two groups of 13).
+    min_layers = min(len(layers) for layers in same_type.values())
+    max_layers = max(len(layers) for layers in same_type.values())
+    group_size = max_layers if max_layers < min_layers * 1.5 else min_layers
+    groups = []
+    for kind, layers in same_type.items():
+        num_groups = math.ceil(len(layers) / group_size)
+        groups.extend((kind, tuple(layers[i::num_groups])) for i in range(num_groups))
+    return groups
+
+
+def _blocks_per_request(kind: str, max_model_len: int, window: int | None, max_num_batched_tokens: int) -> int:
+    if kind == "full":
+        return math.ceil(max_model_len / BLOCK_SIZE)
+    assert window is not None
+    # SlidingWindowSpec.max_memory_usage_bytes: the last window-1 tokens plus one prefill chunk, never more than the
+    # request, and +1 block because the window need not start on a block boundary.
+    tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
+    return math.ceil(tokens / BLOCK_SIZE) + 1
+
+
+def _request_blocks(kinds: Sequence[str], max_model_len: int, shape: ModelShape, serve: ServeConfig) -> int:
+    return sum(
+        _blocks_per_request(kind, max_model_len, shape.sliding_window, serve.max_num_batched_tokens) for kind in kinds
+    )
+
+
+def _longest_len_within(blocks_budget: int, kinds: Sequence[str], shape: ModelShape, serve: ServeConfig) -> int:
+    """Largest length <= max_model_len whose request fits in blocks_budget blocks (vLLM's binary search); 0 if none.
+
+    vLLM searches for the longest length whose KV memory fits the rank's available memory; with
+    ``num_blocks = available // (page * group_size)`` that is the same as fitting in num_blocks blocks.
+    """
+    if _request_blocks(kinds, 1, shape, serve) > blocks_budget:
+        return 0
+    low, high, best = 1, serve.max_model_len, 1
+    while low <= high:
+        mid = (low + high) // 2
+        if _request_blocks(kinds, mid, shape, serve) <= blocks_budget:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def _kv_memory_hint(serve: ServeConfig) -> str:
+    hints = ["raise gpu_memory_utilization (if the nodes have the memory free)"]
+    if serve.kv_cache_dtype not in _FP8_KV_DTYPES:
+        hints.append("use kv_cache_dtype fp8 (half the bytes per token)")
+    hints.append("spread the model over more ranks")
+    return ", ".join(hints)
+
+
+def _tp_problem(shape: ModelShape, serve: ServeConfig) -> Problem | None:
+    heads, tp = shape.num_key_value_heads, serve.tensor_parallel
+    # vLLM's QKVParallelLinear shards KV heads when TP divides them and replicates them when they divide TP;
+    # anything else fails its divide() assertion at load time.
+    if heads % tp == 0 or tp % heads == 0:
+        return None
+    divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+    return Problem(
+        Severity.ERROR,
+        "tp-kv-heads",
+        f"tensor_parallel {tp} does not divide the model's {heads} KV heads (nor do they divide it), so vLLM cannot "
+        f"shard them; use a tensor_parallel of {divisors} (or a multiple of {heads})",
+    )
+
+
+def _startup_problem(budget: Budget, requested: int) -> Problem | None:
+    free = budget.free_memory_bytes
+    if free is None or free >= requested:
+        return None
+    # Largest two-decimal utilization whose ceil(total * util) still fits in the free memory.
+    suggested = math.floor(free / budget.total_memory_bytes * 100) / 100
+    while suggested > 0 and math.ceil(budget.total_memory_bytes * suggested) > free:
+        suggested = round(suggested - 0.01, 2)
+    fix = "free memory on the nodes (stop other containers and processes, drop the page cache)"
+    if suggested > 0:
+        fix = f"lower gpu_memory_utilization to {suggested:.2f} (which also shrinks the KV cache) or {fix}"
+    return Problem(
+        Severity.ERROR,
+        "startup-memory",
+        f"vLLM will refuse to start: free memory {_gib(free)} is less than the {_gib(requested)} it requests "
+        f"(gpu_memory_utilization {budget.gpu_memory_utilization} x {_gib(budget.total_memory_bytes)} total); "
+        f"{fix}",
+    )
+
+
+def _capacity_problems(
+    rows: Sequence[RankRow],
+    plan_groups: Sequence[KVGroup],
+    num_blocks: int,
+    concurrency: float,
+    shape: ModelShape,
+    serve: ServeConfig,
+) -> list[Problem]:
+    kinds = [group.kind for group in plan_groups]
+    length = serve.max_model_len
+    worst = min(rows, key=lambda row: row.kv_available_bytes)
+    if worst.kv_available_bytes <= 0:
+        if worst.requested_bytes is None:
+            spent = ""
+        else:
+            spent = (
+                f" (requested {_gib(worst.requested_bytes)} - weights {_gib(worst.weights_bytes or 0)}"
+                f" - overhead {_gib(worst.overhead_bytes or 0)})"
+            )
+        return [
+            Problem(
+                Severity.ERROR,
+                "no-kv-memory",
+                f"rank {worst.rank} has {_gib(worst.kv_available_bytes)} left for the KV cache{spent}, so vLLM will "
+                f"stop with 'No available memory for the cache blocks'; {_kv_memory_hint(serve)}, or use a smaller "
+                "checkpoint",
+            )
+        ]
+    if concurrency < 1:
+        fits = _longest_len_within(num_blocks, kinds, shape, serve)
+        limiting = min(rows, key=lambda row: row.num_blocks)
+        if fits:
+            estimate = f"the estimated maximum model length is {fits}: set max_model_len to at most {fits}, or "
+        else:
+            estimate = "not even a one-token request fits: "
+        return [
+            Problem(
+                Severity.ERROR,
+                "max-model-len",
+                f"one {length:,}-token request needs {_gib(limiting.kv_needed_bytes)} of KV cache on rank "
+                f"{limiting.rank} but only {_gib(limiting.kv_available_bytes)} is available, so vLLM will refuse to "
+                f"start (concurrency {concurrency:.2f}x < 1); {estimate}{_kv_memory_hint(serve)}",
+            )
+        ]
+    if concurrency < serve.max_num_seqs:
+        fits = _longest_len_within(num_blocks // serve.max_num_seqs, kinds, shape, serve)
+        shorter = f", max_model_len to {fits:,} (fits {serve.max_num_seqs} full-length requests)" if fits else ""
+        return [
+            Problem(
+                Severity.WARNING,
+                "concurrency",
+                f"only {concurrency:.2f} requests of {length:,} tokens fit in the KV cache, fewer than max_num_seqs "
+                f"{serve.max_num_seqs}: with long prompts the rest wait or are preempted; lower max_num_seqs to "
+                f"{math.floor(concurrency)}{shorter}, or {_kv_memory_hint(serve)}",
+            )
+        ]
+    return []
+
+
+def _plan(
+    shape: ModelShape,
+    serve: ServeConfig,
+    available: Sequence[int],
+    budget_rows: Sequence[tuple[int, ...]] | None,
+    overhead_source: str | None,
+    early_problems: Sequence[Problem],
+) -> Plan:
+    tp, pp = serve.tensor_parallel, serve.pipeline_parallel
+    if shape.num_hidden_layers < pp:
+        raise ValueError(f"pipeline_parallel {pp} exceeds the model's {shape.num_hidden_layers} layers")
+    kv_heads = max(1, shape.num_key_value_heads // tp)
+    page = BLOCK_SIZE * kv_heads * 2 * shape.head_dim * kv_dtype_bytes(serve.kv_cache_dtype, shape.dtype_bytes)
+    groups = tuple(
+        KVGroup(
+            kind,
+            layers,
+            _blocks_per_request(kind, serve.max_model_len, shape.sliding_window, serve.max_num_batched_tokens),
+        )
+        for kind, layers in _kv_cache_groups(_layer_kinds(shape))
+    )
+    blocks_per_request = sum(group.blocks_per_request for group in groups)
+    stages = [set(stage) for stage in _pp_stage_layers(shape.num_hidden_layers, pp)]
+    stages[-1].update(range(shape.num_hidden_layers, shape.num_hidden_layers + shape.mtp_layers))
+
+    rows = []
+    for pp_rank, stage in enumerate(stages):
+        # vLLM projects the global groups onto the stage's layers; the pool is split into as many tensors as the
+        # largest projected group has layers.
+        group_size = max(len(stage.intersection(group.layers)) for group in groups)
+        for tp_rank in range(tp):
+            rank = pp_rank * tp + tp_rank
+            total, requested, weights, overhead = budget_rows[rank] if budget_rows else (None, None, None, None)
+            rows.append(
+                RankRow(
+                    rank=rank,
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    kv_layers=len(stage),
+                    total_bytes=total,
+                    requested_bytes=requested,
+                    weights_bytes=weights,
+                    overhead_bytes=overhead,
+                    kv_available_bytes=available[rank],
+                    num_blocks=max(available[rank] // page // group_size, 0),
+                    kv_needed_bytes=group_size * page * blocks_per_request,
+                )
+            )
+    num_blocks = min(row.num_blocks for row in rows)
+    concurrency = num_blocks / blocks_per_request
+    problems = [*early_problems]
+    if (tp_problem := _tp_problem(shape, serve)) is not None:
+        problems.append(tp_problem)
+    problems.extend(_capacity_problems(rows, groups, num_blocks, concurrency, shape, serve))
+    return Plan(
+        rows=tuple(rows),
+        groups=groups,
+        kv_heads_per_rank=kv_heads,
+        page_bytes=page,
+        num_blocks=num_blocks,
+        blocks_per_request=blocks_per_request,
+        max_model_len=serve.max_model_len,
+        max_concurrency=concurrency,
+        kv_cache_tokens=int(concurrency * serve.max_model_len),
+        overhead_source=overhead_source,
+        problems=tuple(problems),
+    )
+
+
+def plan(shape: ModelShape, serve: ServeConfig, budget: Budget) -> Plan:
+    """Predict the KV cache from the whole memory budget: total x utilization - weights - overhead, per rank."""
+    ranks = serve.tensor_parallel * serve.pipeline_parallel
+    requested = math.ceil(budget.total_memory_bytes * budget.gpu_memory_utilization)
+    weights = budget.weights_per_rank_bytes
+    if weights is None:
+        weights = shape.weight_bytes // ranks
+    available = requested - weights - budget.overhead_bytes
+    early = [problem] if (problem := _startup_problem(budget, requested)) else []
+    return _plan(
+        shape,
+        serve,
+        [available] * ranks,
+        [(budget.total_memory_bytes, requested, weights, budget.overhead_bytes)] * ranks,
+        budget.overhead_source,
+        early,
+    )
+
+
+def plan_from_available(shape: ModelShape, serve: ServeConfig, kv_available_bytes: int | Sequence[int]) -> Plan:
+    """Predict the KV cache from a known "Available KV cache memory" (one value for every rank, or one per rank in
+    rank order, pp-major), skipping the requested/weights/overhead arithmetic."""
+    ranks = serve.tensor_parallel * serve.pipeline_parallel
+    if isinstance(kv_available_bytes, int):
+        available = [kv_available_bytes] * ranks
+    else:
+        available = list(kv_available_bytes)
+        if len(available) != ranks:
+            raise ValueError(f"got {len(available)} available-memory values for {ranks} ranks (TP x PP)")
+    return _plan(shape, serve, available, None, None, [])
+
+
+# --- reading real vLLM startup logs ----------------------------------------------------------------------------
+
+# vLLM prefixes each process's lines with "(EngineCore_DP0 pid=412) " or, for Ray workers,
+# "(RayWorkerWrapper pid=233, ip=192.168.100.11) "; a single-process run has no prefix.
+_PROCESS_TAG = re.compile(r"^\((?P<tag>[^)]*)\)")
+# gpu_model_runner: "Model loading took %s GiB memory and %.6f seconds" (format_gib); older: "%.4f GiB and".
+_WEIGHTS_LINE = re.compile(r"Model loading took (?P<gib>[\d.]+) GiB(?: memory)? and")
+# gpu_worker.determine_available_memory: "Available KV cache memory: %s GiB" (older "%.2f GiB").
+_AVAILABLE_LINE = re.compile(r"Available KV cache memory: (?P<gib>-?[\d.]+) GiB")
+# gpu_worker, DEBUG only: "Initial free memory: %s GiB; Requested memory: %f (util), %s GiB".
+_REQUESTED_LINE = re.compile(r"Requested memory: (?P<util>[\d.]+) \(util\), (?P<gib>[\d.]+) ?GiB")
+# Where the utilization shows at INFO: the "non-default args: {...}" line and the CUDA-graph profiling note.
+_UTILIZATION = (
+    re.compile(r"'gpu_memory_utilization': (?P<util>[\d.]+)"),
+    re.compile(r"--gpu-memory-utilization=(?P<util>[\d.]+) is equivalent"),
+)
+_KV_SIZE_LINE = re.compile(r"GPU KV cache size: (?P<tokens>[\d,]+) tokens")
+_CONCURRENCY_LINE = re.compile(
+    r"Maximum concurrency for (?P<length>[\d,]+) tokens per request: (?P<concurrency>[\d.]+)x"
+)
+
+
+@dataclass(frozen=True)
+class RankCalibration:
+    """One process's numbers from a startup log, and the overhead they imply."""
+
+    process: str  # the log's process tag, e.g. "RayWorkerWrapper pid=233, ip=192.168.100.11"; "" without one
+    requested_bytes: int
+    weights_bytes: int
+    kv_available_bytes: int
+    overhead_bytes: int
+
+
+@dataclass(frozen=True)
+class KvLines:
+    """The two capacity lines vLLM logged; None where the log lacks them."""
+
+    kv_cache_tokens: int | None
+    max_model_len: int | None
+    max_concurrency: float | None
+
+
+def _by_process(pattern: re.Pattern[str], log_text: str) -> dict[str, re.Match[str]]:
+    found: dict[str, re.Match[str]] = {}
+    for line in log_text.splitlines():
+        if match := pattern.search(line):
+            tag = _PROCESS_TAG.match(line)
+            # The last occurrence wins: a restarted engine logs again further down.
+            found[tag["tag"] if tag else ""] = match
+    return found
+
+
+def _requested_from_total(log_text: str, total_memory_bytes: int | None, gpu_memory_utilization: float | None) -> int:
+    utilization = gpu_memory_utilization
+    if utilization is None:
+        for pattern in _UTILIZATION:
+            if match := pattern.search(log_text):
+                utilization = float(match["util"])
+                break
+    if total_memory_bytes is None or utilization is None:
+        raise ValueError(
+            "the log has no 'Requested memory: <util> (util), <N> GiB' line (vLLM logs it only at DEBUG: start it "
+            "with VLLM_LOGGING_LEVEL=DEBUG), and requested memory cannot be computed instead: "
+            + ("pass total_memory_bytes" if total_memory_bytes is None else "")
+            + (" and " if total_memory_bytes is None and utilization is None else "")
+            + (
+                "pass gpu_memory_utilization (the log has no 'non-default args: {...gpu_memory_utilization...}' line)"
+                if utilization is None
+                else ""
+            )
+        )
+    return math.ceil(total_memory_bytes * utilization)
+
+
+def calibrate_overhead(
+    log_text: str, *, total_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None
+) -> tuple[int, tuple[RankCalibration, ...]]:
+    """Overhead per rank from a real vLLM startup log: requested - "Model loading took X GiB" - "Available KV cache
+    memory: Y GiB", for each process that logged both; the largest (the one to plan with) and the per-process rows.
+
+    Requested memory comes from vLLM's DEBUG line ``Requested memory: <util> (util), <N> GiB``; without it, from
+    ``ceil(total_memory_bytes * utilization)``, the utilization read from the log or given. The log's numbers have two
+    decimals, so the overhead is good to about 0.01 GiB.
+    """
+    weights = _by_process(_WEIGHTS_LINE, log_text)
+    available = _by_process(_AVAILABLE_LINE, log_text)
+    requested = _by_process(_REQUESTED_LINE, log_text)
+    if not available:
+        skipped = "kv_cache_memory_bytes config and skipped memory profiling" in log_text
+        raise ValueError(
+            "the log has no 'Available KV cache memory: <N> GiB' line"
+            + (
+                " (this run set --kv-cache-memory-bytes, which skips the profiling that measures the overhead)"
+                if skipped
+                else " (vLLM logs it at INFO after profiling; was the log cut short or did startup fail earlier?)"
+            )
+        )
+    rows = []
+    for process, available_match in available.items():
+        weights_match = weights.get(process) or (weights.get("") if len(weights) == 1 else None)
+        if weights_match is None:
+            where = f" for process '{process}'" if process else ""
+            raise ValueError(f"the log has no 'Model loading took <N> GiB memory' line{where}")
+        requested_match = requested.get(process) or (requested.get("") if len(requested) == 1 else None)
+        if requested_match is not None:
+            requested_bytes = int(float(requested_match["gib"]) * GIB)
+        else:
+            requested_bytes = _requested_from_total(log_text, total_memory_bytes, gpu_memory_utilization)
+        weights_bytes = int(float(weights_match["gib"]) * GIB)
+        kv_bytes = int(float(available_match["gib"]) * GIB)
+        rows.append(
+            RankCalibration(
+                process=process,
+                requested_bytes=requested_bytes,
+                weights_bytes=weights_bytes,
+                kv_available_bytes=kv_bytes,
+                overhead_bytes=requested_bytes - weights_bytes - kv_bytes,
+            )
+        )
+    return max(row.overhead_bytes for row in rows), tuple(rows)
+
+
+def parse_kv_lines(log_text: str) -> KvLines:
+    """The logged ``GPU KV cache size`` and ``Maximum concurrency`` numbers (the last of each), to set beside a plan."""
+    sizes = _KV_SIZE_LINE.findall(log_text)
+    concurrency = list(_CONCURRENCY_LINE.finditer(log_text))
+    return KvLines(
+        kv_cache_tokens=int(sizes[-1].replace(",", "")) if sizes else None,
+        max_model_len=int(concurrency[-1]["length"].replace(",", "")) if concurrency else None,
+        max_concurrency=float(concurrency[-1]["concurrency"]) if concurrency else None,
+    )

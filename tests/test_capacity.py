@@ -1,0 +1,420 @@
+"""The KV-cache planner against vLLM's published numbers, the whole memory budget, and every problem it reports."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from hy3spark.capacity import (
+    GB10_TOTAL_MEMORY_BYTES,
+    GIB,
+    Budget,
+    ModelShape,
+    ServeConfig,
+    Severity,
+    calibrate_overhead,
+    kv_dtype_bytes,
+    parse_kv_lines,
+    plan,
+    plan_from_available,
+)
+
+
+def _within(predicted: float, published: float, tolerance: float = 0.02) -> bool:
+    return abs(predicted - published) / published <= tolerance
+
+
+# --- the three published cases in shared/CAPACITY.md, planned from the logged "Available KV cache memory" --------
+
+
+def test_published_48_layers_fp8_tp1_from_10_55_gib() -> None:
+    # vllm-project/vllm#25350: "Available KV cache memory: 10.55 GiB", "GPU KV cache size: 230,528 tokens",
+    # "Maximum concurrency for 100,000 tokens per request: 2.31x".
+    shape = ModelShape(num_hidden_layers=48, num_key_value_heads=4, head_dim=128, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=1, max_model_len=100_000, max_num_seqs=1, kv_cache_dtype="fp8")
+    result = plan_from_available(shape, serve, int(10.55 * GIB))
+    # 10.55 GiB / (16 x 4 x 2 x 128 x 1 B x 48 layers) = 14,404 blocks; the log's 14,408 is within its 2-decimal
+    # rounding of the GiB figure (10.5527 GiB).
+    assert result.num_blocks == 14_404
+    assert result.kv_cache_size_line == "GPU KV cache size: 230,464 tokens"
+    assert result.max_concurrency_line == "Maximum concurrency for 100,000 tokens per request: 2.30x"
+    assert _within(result.kv_cache_tokens, 230_528)
+    assert _within(result.max_concurrency, 2.31)
+    assert result.problems == ()
+
+
+def test_published_qwen3_coder_480b_needs_62_gib_and_fits_205728() -> None:
+    # vllm-project/recipes PR #12 (62 layers x 8 KV heads x 128, bf16 KV, TP1): "62.00 GiB KV cache is needed" for
+    # 262,144 tokens; from 48.66 GiB available "the estimated maximum model length is 205728".
+    shape = ModelShape(num_hidden_layers=62, num_key_value_heads=8, head_dim=128, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=1, max_model_len=262_144, max_num_seqs=1)
+    result = plan_from_available(shape, serve, int(48.66 * GIB))
+    # 262,144 / 16 = 16,384 blocks x 65,536 B x 62 layers = 66,571,993,088 B = 62.00 GiB.
+    assert result.rows[0].kv_needed_bytes == 16_384 * 65_536 * 62
+    assert f"{result.rows[0].kv_needed_bytes / GIB:.2f}" == "62.00"
+    (problem,) = result.problems
+    assert problem.severity is Severity.ERROR
+    assert problem.code == "max-model-len"
+    assert "needs 62.00 GiB of KV cache on rank 0 but only 48.66 GiB is available" in problem.message
+    assert "the estimated maximum model length is 205728" in problem.message
+    assert not result.ok
+
+
+def test_published_qwen3_235b_tp4_one_kv_head_per_rank() -> None:
+    # vllm-project/vllm#21348 (94 layers, 4 KV heads, TP4, bf16 KV): "Available KV cache memory: 8.11 GiB",
+    # "GPU KV cache size: 178,880 tokens". The logged GiB is one worker's while vLLM's blocks are the minimum over
+    # four, so a plan fed 8.11 GiB lands about 1% high. Any max_model_len that is a multiple of 16 gives
+    # tokens = blocks x 16 here; the issue's length is not needed.
+    shape = ModelShape(num_hidden_layers=94, num_key_value_heads=4, head_dim=128, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=4, max_model_len=40_960, max_num_seqs=1)
+    result = plan_from_available(shape, serve, int(8.11 * GIB))
+    assert result.kv_heads_per_rank == 1
+    assert len(result.rows) == 4
+    assert result.kv_cache_tokens == 180_928
+    assert _within(result.kv_cache_tokens, 178_880)
+
+
+# --- the whole path: total x utilization - weights - overhead ---------------------------------------------------
+
+
+def _hy3(**serve: int | str) -> tuple[ModelShape, ServeConfig]:
+    shape = ModelShape(
+        num_hidden_layers=80, num_key_value_heads=8, head_dim=128, weight_bytes=181_000_000_000, mtp_layers=1
+    )
+    knobs: dict[str, int | str] = {
+        "tensor_parallel": 2,
+        "max_model_len": 131_072,
+        "max_num_seqs": 6,
+        "kv_cache_dtype": "fp8_e4m3",
+    }
+    return shape, ServeConfig(**{**knobs, **serve})  # type: ignore[arg-type]
+
+
+def _spark_budget(**overrides: object) -> Budget:
+    values: dict[str, object] = {
+        "gpu_memory_utilization": 0.90,
+        "total_memory_bytes": GB10_TOTAL_MEMORY_BYTES,
+        "overhead_bytes": 3 * GIB,
+        "overhead_source": "profile default",
+    }
+    return Budget(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def test_hy3_on_two_sparks() -> None:
+    shape, serve = _hy3()
+    result = plan(shape, serve, _spark_budget())
+    # By hand, per rank (both ranks alike, TP2 x PP1):
+    #   total      = 121.69 GiB                         = 130,663,642,562 B
+    #   requested  = ceil(0.90 x total)                 = 117,597,278,306 B (109.52 GiB)
+    #   weights    = 181 GB / 2                         =  90,500,000,000 B ( 84.28 GiB)
+    #   overhead   = 3 GiB                              =   3,221,225,472 B
+    #   available  = requested - weights - overhead     =  23,876,052,834 B ( 22.24 GiB)
+    #   page       = 16 x (8 / 2 KV heads) x 2 x 128 x 1 B (fp8) = 16,384 B per layer; 80 layers + 1 MTP = 81
+    #   num_blocks = 23,876,052,834 // 16,384 // 81     = 17,991
+    #   per request: 131,072 / 16 = 8,192 blocks -> 17,991 / 8,192 = 2.196 -> "2.20x"
+    #   tokens     = int(2.196... x 131,072)            = 287,856 (= 17,991 x 16)
+    # Cross-check: 81 layers x 4 heads x 2 x 128 x 1 B = 82,944 B per token; 22.24 GiB / 82,944 B = 287,860 tokens.
+    row = result.rows[0]
+    assert (row.total_bytes, row.requested_bytes) == (130_663_642_562, 117_597_278_306)
+    assert (row.weights_bytes, row.overhead_bytes) == (90_500_000_000, 3 * GIB)
+    assert row.kv_available_bytes == 23_876_052_834
+    assert row.kv_layers == 81
+    assert replace(result.rows[1], rank=0, tp_rank=0) == row
+    assert result.page_bytes == 16_384
+    assert result.num_blocks == 17_991
+    assert result.blocks_per_request == 8_192
+    assert result.kv_cache_size_line == "GPU KV cache size: 287,856 tokens"
+    assert result.max_concurrency_line == "Maximum concurrency for 131,072 tokens per request: 2.20x"
+    assert result.overhead_source == "profile default"
+    # 2.20 full-length requests against max_num_seqs 6: a warning, not an error.
+    (problem,) = result.problems
+    assert (problem.severity, problem.code) == (Severity.WARNING, "concurrency")
+    assert "only 2.20 requests of 131,072 tokens fit in the KV cache, fewer than max_num_seqs 6" in problem.message
+    # 17,991 // 6 = 2,998 blocks per request -> 47,968 tokens (2,998 x 16).
+    assert "lower max_num_seqs to 2, max_model_len to 47,968 (fits 6 full-length requests)" in problem.message
+    assert result.ok
+    print("\nHy3 two-Spark plan:", result.kv_cache_size_line, "|", result.max_concurrency_line)
+
+
+def test_hy3_with_two_sequences_has_no_problem() -> None:
+    shape, serve = _hy3(max_num_seqs=2)
+    assert plan(shape, serve, _spark_budget()).problems == ()
+
+
+def test_weights_per_rank_override_replaces_the_even_split() -> None:
+    shape, serve = _hy3()
+    result = plan(shape, serve, _spark_budget(weights_per_rank_bytes=95 * GIB))
+    assert result.rows[0].weights_bytes == 95 * GIB
+    assert result.rows[0].kv_available_bytes == 117_597_278_306 - 95 * GIB - 3 * GIB
+
+
+# --- problems: severity and what to change ------------------------------------------------------------------------
+
+
+def test_free_memory_below_requested_fails_the_startup_check() -> None:
+    shape, serve = _hy3()
+    result = plan(shape, serve, _spark_budget(free_memory_bytes=int(105 * GIB)))
+    problem = result.problems[0]
+    assert (problem.severity, problem.code) == (Severity.ERROR, "startup-memory")
+    assert (
+        "vLLM will refuse to start: free memory 105.00 GiB is less than the 109.52 GiB it requests" in problem.message
+    )
+    # floor(105 / 121.69 x 100) / 100 = 0.86, and ceil(121.69 GiB x 0.86) = 104.65 GiB fits in 105.
+    assert "lower gpu_memory_utilization to 0.86" in problem.message
+    assert math.ceil(GB10_TOTAL_MEMORY_BYTES * 0.86) <= 105 * GIB
+    assert not result.ok
+
+
+def test_free_memory_at_or_above_requested_passes_the_startup_check() -> None:
+    shape, serve = _hy3(max_num_seqs=2)
+    assert plan(shape, serve, _spark_budget(free_memory_bytes=117_597_278_306)).problems == ()
+
+
+def test_tp_that_does_not_divide_the_kv_heads_is_an_error() -> None:
+    shape, serve = _hy3(tensor_parallel=3, max_num_seqs=1)
+    (problem,) = [p for p in plan(shape, serve, _spark_budget()).problems if p.code == "tp-kv-heads"]
+    assert problem.severity is Severity.ERROR
+    assert problem.message == (
+        "tensor_parallel 3 does not divide the model's 8 KV heads (nor do they divide it), so vLLM cannot shard "
+        "them; use a tensor_parallel of 1, 2, 4, 8 (or a multiple of 8)"
+    )
+
+
+def test_tp_above_the_kv_heads_replicates_them() -> None:
+    # 16 ranks over 8 KV heads: vLLM keeps one head per rank (replicated), which is legal.
+    shape, serve = _hy3(tensor_parallel=16, max_num_seqs=1)
+    result = plan(shape, serve, _spark_budget())
+    assert result.kv_heads_per_rank == 1
+    assert all(p.code != "tp-kv-heads" for p in result.problems)
+
+
+def test_weights_larger_than_the_budget_leave_no_kv_memory() -> None:
+    shape, serve = _hy3(tensor_parallel=1)
+    (problem,) = plan(shape, serve, _spark_budget()).problems
+    assert (problem.severity, problem.code) == (Severity.ERROR, "no-kv-memory")
+    # 109.52 - 168.57 - 3.00 = -62.05 GiB.
+    assert problem.message.startswith(
+        "rank 0 has -62.05 GiB left for the KV cache (requested 109.52 GiB - weights 168.57 GiB - overhead 3.00 GiB)"
+    )
+    assert "No available memory for the cache blocks" in problem.message
+
+
+def test_no_kv_memory_from_a_known_available_value() -> None:
+    shape, serve = _hy3()
+    (problem,) = plan_from_available(shape, serve, 0).problems
+    assert problem.code == "no-kv-memory"
+    assert problem.message.startswith("rank 0 has 0.00 GiB left for the KV cache, so vLLM will stop")
+
+
+def test_concurrency_below_one_says_what_max_model_len_fits() -> None:
+    shape, serve = _hy3(max_model_len=262_144)
+    result = plan(shape, serve, _spark_budget(overhead_bytes=int(12.5 * GIB)))
+    (problem,) = result.problems
+    assert (problem.severity, problem.code) == (Severity.ERROR, "max-model-len")
+    # 23,876,052,834 B - 9.5 GiB more overhead = 13,675,505,506 B // 16,384 // 81 = 10,304 blocks, fewer than the
+    # 262,144 / 16 = 16,384 one request needs; 10,304 x 16 = 164,864 tokens fit.
+    assert result.num_blocks == 10_304
+    assert "the estimated maximum model length is 164864: set max_model_len to at most 164864" in problem.message
+    # fp8 is already on, so the hint does not suggest it again.
+    assert "fp8" not in problem.message
+
+
+def test_kv_that_fits_not_even_one_token_says_so() -> None:
+    shape, serve = _hy3()
+    (problem,) = plan_from_available(shape, serve, 1_000_000).problems
+    assert problem.code == "max-model-len"
+    assert "not even a one-token request fits" in problem.message
+
+
+# --- hybrid models, PP, dtypes ------------------------------------------------------------------------------------
+
+
+def _gpt_oss() -> ModelShape:
+    return ModelShape(
+        num_hidden_layers=36,
+        num_key_value_heads=8,
+        head_dim=64,
+        weight_bytes=65_300_000_000,
+        sliding_window=128,
+        sliding_window_layers=18,
+    )
+
+
+def test_gpt_oss_hybrid_groups_and_sliding_window_blocks() -> None:
+    serve = ServeConfig(tensor_parallel=1, max_model_len=131_072, max_num_seqs=8)
+    result = plan(_gpt_oss(), serve, _spark_budget(gpu_memory_utilization=0.80, overhead_bytes=4 * GIB))
+    # 18 sliding + 18 full: two groups of 18 layers; the pool is split 18 ways, each block serves one layer per group.
+    assert [(g.kind, len(g.layers)) for g in result.groups] == [("sliding", 18), ("full", 18)]
+    # Sliding: ceil(min(128 - 1 + 8192, 131072) / 16) + 1 = 521; full: 131072 / 16 = 8192.
+    assert [g.blocks_per_request for g in result.groups] == [521, 8_192]
+    assert result.blocks_per_request == 8_713
+    # page = 16 x 8 x 2 x 64 x 2 B = 32,768 B;
+    # available = ceil(0.80 x 130,663,642,562) - 65,300,000,000 - 4 GiB = 34,935,946,754 B;
+    # num_blocks = 34,935,946,754 // 32,768 // 18 = 59,231; concurrency 59,231 / 8,713 = 6.80;
+    # tokens = int(6.798 x 131,072) = 891,027 (vLLM before PR #42206 logged 59,231 // 2 groups x 16 = 473,840).
+    assert result.page_bytes == 32_768
+    assert result.rows[0].kv_available_bytes == 34_935_946_754
+    assert result.num_blocks == 59_231
+    assert result.kv_cache_size_line == "GPU KV cache size: 891,027 tokens"
+    assert result.max_concurrency_line == "Maximum concurrency for 131,072 tokens per request: 6.80x"
+
+
+def test_hybrid_grouping_follows_vllm_for_unequal_counts() -> None:
+    serve = ServeConfig(tensor_parallel=1, max_model_len=4_096, max_num_seqs=1)
+    # gpt-oss-20b + a one-layer drafter: 12 sliding + 13 full -> group size 13 (13 < 1.5 x 12), one group each.
+    drafted = ModelShape(24, 8, 64, 0, mtp_layers=1, sliding_window=128, sliding_window_layers=12)
+    assert [(g.kind, len(g.layers)) for g in plan_from_available(drafted, serve, GIB).groups] == [
+        ("sliding", 12),
+        ("full", 13),
+    ]
+    # 20 sliding + 10 full -> group size 10: two sliding groups dealt round-robin and one full group.
+    two_to_one = ModelShape(30, 8, 64, 0, sliding_window=512, sliding_window_layers=20)
+    groups = plan_from_available(two_to_one, serve, GIB).groups
+    assert [(g.kind, len(g.layers)) for g in groups] == [("sliding", 10), ("sliding", 10), ("full", 10)]
+    assert groups[0].layers[:3] == (0, 3, 6)
+
+
+def test_hybrid_under_pp_assumes_evenly_interleaved_sliding_layers() -> None:
+    # An approximation (see the module docstring): vLLM reads each layer's type; here sliding layers alternate,
+    # so each PP stage of gpt-oss gets 9 sliding + 9 full and projects to groups of 9 layers.
+    serve = ServeConfig(tensor_parallel=1, pipeline_parallel=2, max_model_len=131_072, max_num_seqs=1)
+    result = plan_from_available(_gpt_oss(), serve, 10 * GIB)
+    assert [row.kv_layers for row in result.rows] == [18, 18]
+    assert result.num_blocks == 10 * GIB // 32_768 // 9
+
+
+def test_pp_splits_layers_like_vllm_and_the_fullest_stage_limits() -> None:
+    # get_pp_indices: 94 layers over 4 stages -> 23 each, the remainder to the stages before the last: 23, 24, 24, 23.
+    shape = ModelShape(num_hidden_layers=94, num_key_value_heads=4, head_dim=128, weight_bytes=0, mtp_layers=1)
+    serve = ServeConfig(tensor_parallel=1, pipeline_parallel=4, max_model_len=32_768, max_num_seqs=1)
+    result = plan_from_available(shape, serve, 8 * GIB)
+    # The MTP layer sits on the last stage (an approximation, see the module docstring).
+    assert [row.kv_layers for row in result.rows] == [23, 24, 24, 24]
+    page = 16 * 4 * 2 * 128 * 2
+    assert result.num_blocks == 8 * GIB // page // 24
+    assert result.rows[0].num_blocks == 8 * GIB // page // 23
+
+
+def test_per_rank_available_memory_takes_the_minimum() -> None:
+    shape, serve = _hy3()
+    result = plan_from_available(shape, serve, [20 * GIB, 19 * GIB])
+    assert result.num_blocks == 19 * GIB // 16_384 // 81
+    with pytest.raises(ValueError, match="got 1 available-memory values for 2 ranks"):
+        plan_from_available(shape, serve, [20 * GIB])
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "expected"),
+    [("auto", 2), ("bfloat16", 2), ("float16", 2), ("fp8", 1), ("fp8_e4m3", 1), ("fp8_e5m2", 1)],
+)
+def test_kv_dtype_bytes(kv_cache_dtype: str, expected: int) -> None:
+    assert kv_dtype_bytes(kv_cache_dtype, 2) == expected
+
+
+def test_unknown_kv_dtype_and_bad_shapes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4' is not one of"):
+        ServeConfig(tensor_parallel=1, max_model_len=1024, max_num_seqs=1, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="needs sliding_window"):
+        ModelShape(36, 8, 64, 0, sliding_window_layers=18)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        _spark_budget(gpu_memory_utilization=1.5)
+
+
+# --- reading real startup logs --------------------------------------------------------------------------------------
+
+# SYNTHETIC: no real Hy3 startup log is at hand. Each line below uses the exact format string vLLM logs it with
+# (vllm/v1/worker/gpu_worker.py: DEBUG "Initial free memory: %s GiB; Requested memory: %f (util), %s GiB" and INFO
+# "Available KV cache memory: %s GiB"; vllm/v1/worker/gpu_model_runner.py: "Model loading took %s GiB memory and
+# %.6f seconds"; vllm/v1/core/kv_cache_utils.py: "GPU KV cache size: %s tokens" and "Maximum concurrency for %s
+# tokens per request: %.2fx"; vllm/entrypoints/utils.py: "non-default args: %s") and vLLM's process prefixes:
+# "(EngineCore_DP0 pid=N)" for the engine's own worker, "(RayWorkerWrapper pid=N, ip=A)" for a Ray worker.
+_HEAD = "(EngineCore_DP0 pid=412) {level} 11-30 10:{t} [{src}] {msg}"
+_WORKER = "(RayWorkerWrapper pid=233, ip=10.0.0.2) {level} 11-30 10:{t} [{src}] {msg}"
+_SYNTHETIC_LOG = "\n".join(
+    [
+        "(APIServer pid=301) INFO 11-30 10:00:02 [utils.py:253] non-default args: {'model_tag': '/models/hy3', "
+        "'port': 8888, 'max_model_len': 131072, 'gpu_memory_utilization': 0.9, 'kv_cache_dtype': 'fp8_e4m3'}",
+        _HEAD.format(
+            level="DEBUG",
+            t="01:10",
+            src="gpu_worker.py:346",
+            msg="Initial free memory: 117.85 GiB; Requested memory: 0.900000 (util), 109.52 GiB",
+        ),
+        _WORKER.format(
+            level="DEBUG",
+            t="01:11",
+            src="gpu_worker.py:346",
+            msg="Initial free memory: 116.9 GiB; Requested memory: 0.900000 (util), 109.52 GiB",
+        ),
+        _HEAD.format(
+            level="INFO",
+            t="11:40",
+            src="gpu_model_runner.py:3120",
+            msg="Model loading took 84.29 GiB memory and 612.402211 seconds",
+        ),
+        _WORKER.format(
+            level="INFO",
+            t="11:41",
+            src="gpu_model_runner.py:3120",
+            msg="Model loading took 84.29 GiB memory and 615.113052 seconds",
+        ),
+        _HEAD.format(level="INFO", t="12:02", src="gpu_worker.py:360", msg="Available KV cache memory: 22.23 GiB"),
+        _WORKER.format(level="INFO", t="12:03", src="gpu_worker.py:360", msg="Available KV cache memory: 22.21 GiB"),
+        _HEAD.format(level="INFO", t="12:04", src="kv_cache_utils.py:1300", msg="GPU KV cache size: 287,568 tokens"),
+        _HEAD.format(
+            level="INFO",
+            t="12:04",
+            src="kv_cache_utils.py:1301",
+            msg="Maximum concurrency for 131,072 tokens per request: 2.19x",
+        ),
+    ]
+)
+
+
+def test_calibrate_overhead_from_a_synthetic_two_rank_log() -> None:
+    overhead, ranks = calibrate_overhead(_SYNTHETIC_LOG)
+    by_process = {rank.process: rank for rank in ranks}
+    head = by_process["EngineCore_DP0 pid=412"]
+    worker = by_process["RayWorkerWrapper pid=233, ip=10.0.0.2"]
+    # 109.52 - 84.29 - 22.23 = 3.00 GiB on the head; 109.52 - 84.29 - 22.21 = 3.02 GiB on the worker.
+    assert head.overhead_bytes / GIB == pytest.approx(3.00, abs=1e-6)
+    assert worker.overhead_bytes / GIB == pytest.approx(3.02, abs=1e-6)
+    # The largest is the one to plan with: every rank must fit.
+    assert overhead == worker.overhead_bytes
+    assert head.requested_bytes == int(109.52 * GIB)
+
+
+def test_calibrate_without_the_debug_line_uses_total_and_the_logged_utilization() -> None:
+    log = "\n".join(line for line in _SYNTHETIC_LOG.splitlines() if "Requested memory" not in line)
+    with pytest.raises(ValueError, match=r"no 'Requested memory: <util> \(util\), <N> GiB' line .* pass total_memory"):
+        calibrate_overhead(log)
+    overhead, ranks = calibrate_overhead(log, total_memory_bytes=GB10_TOTAL_MEMORY_BYTES)
+    # gpu_memory_utilization 0.9 comes from the "non-default args" line: requested = ceil(0.9 x 121.69 GiB).
+    assert {rank.requested_bytes for rank in ranks} == {117_597_278_306}
+    assert overhead == 117_597_278_306 - int(84.29 * GIB) - int(22.21 * GIB)
+
+
+def test_calibrate_names_the_missing_line() -> None:
+    no_available = "\n".join(line for line in _SYNTHETIC_LOG.splitlines() if "Available KV" not in line)
+    with pytest.raises(ValueError, match="no 'Available KV cache memory: <N> GiB' line"):
+        calibrate_overhead(no_available)
+    no_weights = "\n".join(line for line in _SYNTHETIC_LOG.splitlines() if "Model loading" not in line)
+    with pytest.raises(ValueError, match="no 'Model loading took <N> GiB memory' line for process 'EngineCore_DP0"):
+        calibrate_overhead(no_weights)
+
+
+def test_parse_kv_lines() -> None:
+    lines = parse_kv_lines(_SYNTHETIC_LOG)
+    assert (lines.kv_cache_tokens, lines.max_model_len, lines.max_concurrency) == (287_568, 131_072, 2.19)
+    empty = parse_kv_lines("INFO nothing here")
+    assert (empty.kv_cache_tokens, empty.max_model_len, empty.max_concurrency) == (None, None, None)
+
+
+def test_parse_kv_lines_reads_the_one_line_form() -> None:
+    # Some vLLM builds log both on one line: "GPU KV cache size: N tokens, Maximum concurrency for L tokens ...".
+    lines = parse_kv_lines(
+        "INFO GPU KV cache size: 1,553,140 tokens, Maximum concurrency for 1,000,000 tokens per request: 1.55x"
+    )
+    assert (lines.kv_cache_tokens, lines.max_model_len, lines.max_concurrency) == (1_553_140, 1_000_000, 1.55)
