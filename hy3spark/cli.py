@@ -55,12 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_arg(p)
     p.set_defaults(func=cmd_validate)
 
+    p = sub.add_parser("plan", help="predict vLLM's KV cache and concurrency before a 10-minute load",
+                       description="Predict, from the spec, the two lines vLLM logs at the end of startup ('GPU KV "
+                                   "cache size: N tokens', 'Maximum concurrency for L tokens per request: Cx') with a "
+                                   "per-rank memory budget. Exits 1 when vLLM could not start or could not hold one "
+                                   "full-length request; warns when the concurrency is below max_num_seqs.",
+                       epilog="overhead (activation peak + non-torch memory) is the one measured term: the profile "
+                              "carries a default; --calibrate reads it off a real vLLM startup log.")
+    _spec_arg(p)
+    p.add_argument("--calibrate", type=Path, metavar="LOG",
+                   help="derive the overhead from a real vLLM startup log (requested - weights - available KV)")
+    p.add_argument("--overhead", type=float, metavar="GIB", help="overhead per rank in GiB (overrides the profile)")
+    p.add_argument("--free", type=float, metavar="GIB",
+                   help="MemAvailable per node in GiB: also check vLLM's startup memory check (free >= requested)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("profiles", help="list the built-in profiles", description="List the built-in profiles.")
     p.set_defaults(func=cmd_profiles)
     return parser
 
 
-def _load(spec: Path | None):  # noqa: ANN202 - returns hy3spark.spec.Loaded; imported lazily
+def _load(spec: Path | None):  # -> hy3spark.spec.Loaded, imported lazily for start-up time
     from hy3spark.spec import load_spec
 
     loaded = load_spec(spec)
@@ -99,6 +115,57 @@ def cmd_validate(args: argparse.Namespace) -> int:
           f"{spec.serving.engine} TP={spec.serving.tensor_parallel} PP={spec.serving.pipeline_parallel}, "
           f"model {spec.model.repo}@{spec.model.revision}")
     return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from hy3spark import planning
+
+    loaded = _load(args.spec)
+    overhead = planning.overhead_for(loaded, args.calibrate, args.overhead)
+    plan = planning.plan_for(loaded, overhead, args.free)
+    nodes = planning.rank_nodes(loaded)
+    errors = [p for p in plan.problems if p.severity == "error"]
+    if args.json:
+        data = {
+            "cluster": loaded.spec.name,
+            "overhead_bytes": overhead.bytes,
+            "overhead_source": overhead.source,
+            "ranks": [{"rank": r.rank, "node": nodes[r.rank] if r.rank < len(nodes) else None,
+                       "total_bytes": r.total_bytes, "requested_bytes": r.requested_bytes,
+                       "weights_bytes": r.weights_bytes, "overhead_bytes": r.overhead_bytes,
+                       "kv_available_bytes": r.kv_available_bytes, "num_blocks": r.num_blocks} for r in plan.rows],
+            "kv_cache_tokens": plan.kv_cache_tokens,
+            "max_concurrency": round(plan.max_concurrency, 2),
+            "lines": [plan.kv_cache_size_line, plan.max_concurrency_line],
+            "problems": [{"severity": str(p.severity), "code": p.code, "message": p.message} for p in plan.problems],
+        }
+        print(json.dumps(data, indent=2))
+        return 1 if errors else EXIT_OK
+    s = loaded.spec.serving
+    gib = planning.GIB
+    print(f"plan for {loaded.spec.name} ({loaded.source}): {s.engine} TP={s.tensor_parallel} PP={s.pipeline_parallel}, "
+          f"{loaded.spec.model.repo}, KV dtype {s.kv_cache_dtype}, max_model_len {s.max_model_len:,}, "
+          f"max_num_seqs {s.max_num_seqs}")
+    print(f"overhead: {overhead.bytes / gib:.2f} GiB per rank ({overhead.source})")
+    header = f"{'rank':>4}  {'node':<16} {'total':>8} {'requested':>10} {'weights':>8} {'overhead':>9} " \
+             f"{'KV memory':>10} {'blocks':>8}"
+    print(header + "   (GiB)")
+
+    def g(v: int | None) -> str:
+        return "-" if v is None else f"{v / gib:.2f}"
+
+    for r in plan.rows:
+        node = nodes[r.rank] if r.rank < len(nodes) else "?"
+        print(f"{r.rank:>4}  {node:<16} {g(r.total_bytes):>8} {g(r.requested_bytes):>10} {g(r.weights_bytes):>8} "
+              f"{g(r.overhead_bytes):>9} {g(r.kv_available_bytes):>10} {r.num_blocks:>8}")
+    print("predicted vLLM startup lines:")
+    print(f"  {plan.kv_cache_size_line}")
+    print(f"  {plan.max_concurrency_line}")
+    for p in plan.problems:
+        print(f"{p.severity}: {p.message}", file=sys.stderr)
+    return 1 if errors else EXIT_OK
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -103,7 +103,8 @@ KINDS = ("inventory", "netplan", "earlyoom", "env", "container", "serve", "pi")
 def select(outputs: list[Output], only: str | None) -> list[Output]:
     if not only:
         return outputs
-    chosen = [o for o in outputs if o.kind == only or fnmatch.fnmatch(o.path, only) or fnmatch.fnmatch(o.path, f"*{only}*")]
+    chosen = [o for o in outputs
+              if o.kind == only or fnmatch.fnmatch(o.path, only) or fnmatch.fnmatch(o.path, f"*{only}*")]
     if not chosen:
         raise Hy3SparkError(f"--only {only!r} matches no rendered file; use a kind ({', '.join(KINDS)}) or a glob "
                             "over the paths that `hy3spark render` lists")

@@ -296,8 +296,9 @@ def _check_nodes(spec: Spec) -> list[Problem]:
                                                    f"head's /{head_net.prefixlen}; use one prefix on every node"))
         ip = node.fabric_ip.ip
         if ip.is_link_local or ip.is_loopback or ip.is_multicast or ip.is_unspecified:
-            problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, loopback or "
-                                                   "multicast); give the port a static private address such as 10.0.0.1/24"))
+            problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, loopback "
+                                                   "or multicast); give the port a static private address such as "
+                                                   "10.0.0.1/24"))
         elif ip in (node.fabric_ip.network.network_address, node.fabric_ip.network.broadcast_address):
             problems.append(((*path, "fabric_ip"), f"{ip} is the network or broadcast address of "
                                                    f"{node.fabric_ip.network}"))
@@ -335,9 +336,9 @@ def _check_serving(spec: Spec) -> list[Problem]:
     ranks = s.tensor_parallel * s.pipeline_parallel
     if ranks != spec.gpu_count:
         problems.append((("serving", "tensor_parallel"),
-                         f"tensor_parallel x pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel} = {ranks}, "
-                         f"but the cluster has {spec.gpu_count} GPU(s) ({len(spec.nodes)} node(s)); make the product "
-                         "equal the GPU count"))
+                         f"tensor_parallel x pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel} = "
+                         f"{ranks}, but the cluster has {spec.gpu_count} GPU(s) ({len(spec.nodes)} node(s)); "
+                         "make the product equal the GPU count"))
     if arch.num_key_value_heads % s.tensor_parallel:
         divisors = [d for d in range(1, arch.num_key_value_heads + 1) if arch.num_key_value_heads % d == 0]
         problems.append((("serving", "tensor_parallel"),
@@ -395,6 +396,7 @@ class Loaded:
     source: str
     sha256: str
     warnings: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)  # the user's own fields, before the profile merge
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -425,7 +427,7 @@ def _compose_lines(text: str, source: str) -> tuple[Any, dict[tuple[str | int, .
     if node is not None:
         walk(node, ())
     try:
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:  # duplicate anchors etc. that compose accepted
         raise SpecError(source, [f"{source}: malformed YAML: {exc}"]) from None
     return data, lines
@@ -573,4 +575,4 @@ def parse_spec(text: str, source: str) -> Loaded:
         warnings.append(f"{where(('serving', 'open_endpoint'))}serving.open_endpoint: the endpoint on "
                         f"{spec.serving.host}:{spec.serving.port} answers anyone who can reach it, without a key")
     digest = hashlib.sha256(text.encode()).hexdigest()
-    return Loaded(spec=spec, source=source, sha256=digest, warnings=warnings)
+    return Loaded(spec=spec, source=source, sha256=digest, warnings=warnings, raw=data)

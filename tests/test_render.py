@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from golden import GOLDEN, cases
+
 from hy3spark.render import render_all
 from hy3spark.spec import load_spec, parse_spec
 
@@ -80,10 +80,11 @@ def test_default_serve_command_has_the_recipes_flags() -> None:
     serve = outputs["files/spark-a/etc/hy3spark/serve.sh"]
     line = next(x for x in serve.splitlines() if x.startswith("exec vllm"))
     argv = shlex.split(line)[1:]
-    recipe = ("--served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray "
-              "--max-model-len 131072 --max-num-seqs 6 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 "
-              "--speculative-config {\"method\":\"mtp\",\"num_speculative_tokens\":1} --tool-call-parser hy_v3 "
-              "--reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager").split()
+    recipe = shlex.split(
+        "--served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray "
+        "--max-model-len 131072 --max-num-seqs 6 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 "
+        "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":1}' --tool-call-parser hy_v3 "
+        "--reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager")
     assert argv[:5] == ["vllm", "serve", "kodelow/Hy3-NVFP4-W4A16", "--revision", "main"]
     assert argv[5:] == recipe
     assert "--api-key" not in serve

@@ -1,0 +1,65 @@
+"""`hy3spark plan`: the per-rank budget, the two predicted vLLM lines, the gates, --calibrate and --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_capacity import _SYNTHETIC_LOG
+
+
+def test_default_hy3_pair(cli) -> None:
+    result = cli("plan")
+    assert result.code == 0
+    assert "overhead: 3.00 GiB per rank (profile hy3-295b-nvfp4-tp2 default)" in result.out
+    # Per rank: requested = ceil(0.90 x 121.69 GiB) = 109.52 GiB; weights 181 GB / 2 = 84.28 GiB; KV 22.24 GiB.
+    assert "   0  spark-a            121.69     109.52    84.28      3.00      22.24    17991" in result.out
+    assert "   1  spark-b            121.69     109.52    84.28      3.00      22.24    17991" in result.out
+    assert "  GPU KV cache size: 287,856 tokens\n" in result.out
+    assert "  Maximum concurrency for 131,072 tokens per request: 2.20x\n" in result.out
+    assert "warning: only 2.20 requests of 131,072 tokens fit in the KV cache, fewer than max_num_seqs 6" in result.err
+
+
+def test_startup_memory_check_fails_with_exit_1(cli) -> None:
+    result = cli("plan", "--free", "100")
+    assert result.code == 1
+    assert "error: vLLM will refuse to start: free memory 100.00 GiB is less than the 109.52 GiB it requests" in (
+        result.err)
+
+
+def test_less_than_one_request_fails(cli, tmp_path: Path) -> None:
+    spec = tmp_path / "c.yml"
+    spec.write_text((Path(__file__).parent.parent / "hy3spark/default-cluster.yml").read_text()
+                    + "serving:\n  max_model_len: 262144\n  overhead_gib: 21\n")
+    result = cli("plan", str(spec))
+    assert result.code == 1
+    assert "overhead: 21.00 GiB per rank (the spec's serving.overhead_gib)" in result.out
+    assert "error:" in result.err and "estimated maximum model length" in result.err
+
+
+def test_calibrate_from_a_log(cli, tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text(_SYNTHETIC_LOG)  # SYNTHETIC: built from vLLM's real log formats (see tests/test_capacity.py)
+    result = cli("plan", "--calibrate", str(log))
+    assert result.code == 0
+    # The worker's 109.52 - 84.29 - 22.21 = 3.02 GiB is the largest overhead, so that is what the plan uses.
+    assert f"overhead: 3.02 GiB per rank (calibrated from {log})" in result.out
+
+
+def test_calibrate_with_an_unusable_log(cli, tmp_path: Path) -> None:
+    log = tmp_path / "short.log"
+    log.write_text("INFO something else\n")
+    result = cli("plan", "--calibrate", str(log))
+    assert result.code == 1
+    assert "'Available KV cache memory: <N> GiB'" in result.err and "Traceback" not in result.err
+    assert cli("plan", "--calibrate", str(tmp_path / "missing.log")).code == 1
+
+
+def test_json(cli) -> None:
+    result = cli("plan", "--json", "--overhead", "3")
+    data = json.loads(result.out)
+    assert data["overhead_source"] == "--overhead"
+    assert data["lines"] == ["GPU KV cache size: 287,856 tokens",
+                             "Maximum concurrency for 131,072 tokens per request: 2.20x"]
+    assert [r["node"] for r in data["ranks"]] == ["spark-a", "spark-b"]
+    assert data["problems"][0]["severity"] == "warning"
