@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("transport", help="NCCL transport gate: fail when any channel fell back to TCP (NET/Socket)",
+                       description="Read NCCL INFO logs (one file per rank, or vLLM's serve log with every Ray "
+                                   "worker's lines in it) and classify each channel: NET/IB with or without "
+                                   "GDRDMA, NET/Socket (TCP fallback), P2P/SHM (same node). Exits 1 when any "
+                                   "channel is on NET/Socket, with why and how to fix it.")
+    p.add_argument("logs", nargs="+", type=Path, metavar="LOG")
+    p.add_argument("--allow-socket", action="store_true", help="report NET/Socket as a warning, not a failure")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_transport)
+
     p = sub.add_parser("profiles", help="list the built-in profiles", description="List the built-in profiles.")
     p.set_defaults(func=cmd_profiles)
     return parser
@@ -166,6 +176,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for p in plan.problems:
         print(f"{p.severity}: {p.message}", file=sys.stderr)
     return 1 if errors else EXIT_OK
+
+
+def cmd_transport(args: argparse.Namespace) -> int:
+    import json
+
+    from hy3spark import nccl
+
+    texts = {}
+    for path in args.logs:
+        try:
+            texts[str(path)] = path.read_text(errors="replace")
+        except OSError as exc:
+            raise Hy3SparkError(f"{path}: {exc.strerror}") from None
+    report = nccl.parse_logs(texts)
+    result = nccl.gate(report, require_rdma=not args.allow_socket)
+    if args.json:
+        print(json.dumps({"passed": result.passed, "counts": {str(k): v for k, v in result.counts.items()},
+                          "message": result.message}, indent=2))
+    else:
+        print(result.message)
+    return EXIT_OK if result.passed else 1
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

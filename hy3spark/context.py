@@ -184,6 +184,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "docker_run": docker_run_line(container),
         }
     serve_argv = engine.serve_argv()
+    plan = _plan_summary(loaded)
     group = {
         "version": __version__,
         "managed": MANAGED,
@@ -255,6 +256,8 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "policy": spec.earlyoom.policy,
             "args": earlyoom_args(spec),
         },
+        # The capacity planner's verdict, for vllm_serve's pre-launch gate and the run record's comparison.
+        "plan": plan,
         "pi_models": _pi_models(spec, base_url),
         "pi_settings": {
             "defaultProvider": spec.pi.provider,
@@ -263,6 +266,23 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
         },
     }
     return {"hy3spark": group, "nodes": nodes}
+
+
+def _plan_summary(loaded: Loaded) -> dict[str, Any]:
+    from hy3spark import planning
+
+    overhead = planning.overhead_for(loaded, None, None)
+    plan = planning.plan_for(loaded, overhead)
+    return {
+        "requested_bytes": max(r.requested_bytes or 0 for r in plan.rows),
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "max_concurrency": round(plan.max_concurrency, 2),
+        "kv_cache_size_line": plan.kv_cache_size_line,
+        "max_concurrency_line": plan.max_concurrency_line,
+        "overhead_source": overhead.source,
+        "errors": [p.message for p in plan.problems if p.severity == "error"],
+        "warnings": [p.message for p in plan.problems if p.severity == "warning"],
+    }
 
 
 def _per_node_env(name: str) -> bool:
