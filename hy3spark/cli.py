@@ -81,6 +81,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_transport)
 
+    def ops(p: argparse.ArgumentParser, tags: bool = True) -> None:
+        _spec_arg(p)
+        if tags:
+            p.add_argument("--tags", metavar="TAGS", help="only these roles' tags (comma-separated)")
+        p.add_argument("--limit", metavar="HOSTS", help="only these hosts, as ansible-playbook --limit")
+        p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+        p.add_argument("--runs-dir", type=Path, metavar="DIR",
+                       help="where run records, artifacts and the lab notebook go (default: ./runs in the repo)")
+
+    p = sub.add_parser("up", help="deploy: run site.yml through ansible-runner, then record the run",
+                       description="Render the spec's inventory, run site.yml (preflight, network, earlyoom, image + "
+                                   "model, Ray head and workers, vLLM) with live progress, and write a run record "
+                                   "(JSON under runs/records/ and one line in runs/labbook.md).")
+    ops(p)
+    p.set_defaults(func=cmd_up)
+    p = sub.add_parser("down", help="tear down: stop serving, then workers, then the head",
+                       description="Run playbooks/teardown.yml: stop the engine, remove the worker containers, then "
+                                   "the head's; report memory before and after. Keeps the model cache and network.")
+    ops(p)
+    p.set_defaults(func=cmd_down)
+    p = sub.add_parser("check", help="run the preflight checks; with --dry-run also site.yml in check+diff mode",
+                       description="Run the preflight role on every node (read-only): one table of every check. "
+                                   "--dry-run also runs site.yml with --check --diff and shows what would change.")
+    ops(p)
+    p.add_argument("--dry-run", action="store_true", help="also run site.yml in check + diff mode")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("status", help="nodes, containers, Ray nodes/GPUs, endpoint health, KV lines, last run",
+                       description="Collect, read-only, what runs on every node and print one table.")
+    ops(p, tags=False)
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("logs", help="follow the vLLM log on the head (Ctrl+C detaches; the engine keeps running)",
+                       description="Print the tail of the engine's log on the head and follow it. Ctrl+C detaches "
+                                   "and never stops the server.")
+    _spec_arg(p)
+    p.add_argument("--no-follow", action="store_true", help="print the tail and exit")
+    p.add_argument("-n", "--lines", type=int, default=100, help="lines of tail to start with (default 100)")
+    p.add_argument("--runs-dir", type=Path, metavar="DIR", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_logs)
+
     p = sub.add_parser("profiles", help="list the built-in profiles", description="List the built-in profiles.")
     p.set_defaults(func=cmd_profiles)
     return parser
@@ -197,6 +236,79 @@ def cmd_transport(args: argparse.Namespace) -> int:
     else:
         print(result.message)
     return EXIT_OK if result.passed else 1
+
+
+def _runs_dir(args: argparse.Namespace) -> Path:
+    from hy3spark.operate import DEFAULT_RUNS_DIR
+
+    return (args.runs_dir or DEFAULT_RUNS_DIR).resolve()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from hy3spark import operate
+
+    loaded = _load(args.spec)
+    runs = _runs_dir(args)
+    started = operate.now()
+    result = operate._run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit)
+    summary = None
+    if result.exit_code == EXIT_OK:
+        _status_result, summary = operate.collect_status(loaded, runs, limit=args.limit)
+    record = operate.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+    if not args.json:
+        print(f"run record: {record}")
+    return operate._finish(result, args.json, {"record": str(record)})
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from hy3spark import operate
+
+    loaded = _load(args.spec)
+    result = operate._run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
+                          limit=args.limit)
+    return operate._finish(result, args.json)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from hy3spark import operate
+
+    loaded = _load(args.spec)
+    runs = _runs_dir(args)
+    result = operate._run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
+    code = operate._finish(result, args.json)
+    if args.dry_run and code == EXIT_OK:
+        dry = operate._run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
+                           diff=True)
+        code = operate._finish(dry, args.json)
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from hy3spark import operate
+
+    loaded = _load(args.spec)
+    result, summary = operate.collect_status(loaded, _runs_dir(args), limit=args.limit)
+    if result.exit_code != EXIT_OK:
+        return operate._finish(result, args.json)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        operate.print_status(summary)
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from hy3spark import operate
+
+    loaded = _load(args.spec)
+    runs = _runs_dir(args)
+    if args.no_follow:
+        text, _size = operate.read_log(loaded, runs, None, args.lines)
+        sys.stdout.write(text)
+        return EXIT_OK
+    return operate.follow_log(loaded, runs, args.lines)
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-rende
 CONFIG_DIR = "/etc/hy3spark"
 LOG_DIR = "/var/log/hy3spark"
 STATE_DIR = "/var/lib/hy3spark"
+SERVE_LOG = f"{LOG_DIR}/serve.log"
 
 
 def _env_for(spec: Spec, node: Node) -> dict[str, str]:
@@ -184,7 +185,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "docker_run": docker_run_line(container),
         }
     serve_argv = engine.serve_argv()
-    plan = _plan_summary(loaded)
+    plan = plan_summary(loaded)
     group = {
         "version": __version__,
         "managed": MANAGED,
@@ -198,7 +199,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "node_env": f"{CONFIG_DIR}/node.env",
             "secrets_env": f"{CONFIG_DIR}/secrets.env",
             "serve_script": f"{CONFIG_DIR}/serve.sh",
-            "serve_log": f"{LOG_DIR}/serve.log",
+            "serve_log": SERVE_LOG,
             "vllm_config_root": f"{CONFIG_DIR}/vllm",
         },
         "head": spec.head.name,
@@ -268,7 +269,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
     return {"hy3spark": group, "nodes": nodes}
 
 
-def _plan_summary(loaded: Loaded) -> dict[str, Any]:
+def plan_summary(loaded: Loaded) -> dict[str, Any]:
     from hy3spark import planning
 
     overhead = planning.overhead_for(loaded, None, None)

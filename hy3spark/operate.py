@@ -1,0 +1,246 @@
+"""The operator's commands: up, down, check, status, logs. Each runs the repo's playbooks through ansible-runner,
+on an inventory rendered fresh from the spec for that run, so the CLI and `ansible-playbook site.yml` share one
+implementation: the roles.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hy3spark import render
+from hy3spark.context import SERVE_LOG
+from hy3spark.errors import EXIT_OK, Hy3SparkError
+from hy3spark.runner import REPO_ROOT, Progress, RunResult, failure_summary, run_playbook
+from hy3spark.spec import Loaded
+
+DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
+
+
+def secret_names(loaded: Loaded) -> list[str]:
+    spec = loaded.spec
+    return [n for n in (spec.model.token_env, spec.serving.api_key_env) if n]
+
+
+def render_inventory(loaded: Loaded, runs_dir: Path) -> Path:
+    """Render the spec's inventory for this run (never a stale one)."""
+    target = runs_dir / "inventory" / loaded.spec.name
+    outputs = [o for o in render.render_all(loaded) if o.kind == "inventory"]
+    render.write(outputs, target, loaded.sha256, all_outputs=True)
+    return target / "inventory" / "hosts.yml"
+
+
+def _run(loaded: Loaded, playbook: str, runs_dir: Path, title: str, **kwargs: Any) -> RunResult:
+    inventory = render_inventory(loaded, runs_dir)
+    with Progress(title) as progress:
+        return run_playbook(playbook, inventory, runs_dir=runs_dir, secret_names=secret_names(loaded),
+                            progress=progress, **kwargs)
+
+
+def _finish(result: RunResult, json_out: bool, extra: dict[str, Any] | None = None) -> int:
+    if json_out:
+        payload = {
+            "playbook": result.playbook, "status": result.status, "rc": result.rc, "exit_code": result.exit_code,
+            "duration_s": result.duration_s, "phases": result.phases,
+            "failures": [f.__dict__ for f in result.failures], "artifacts": str(result.private_data_dir),
+            **(extra or {}),
+        }
+        print(json.dumps(payload, indent=2, default=str))
+    elif result.exit_code != EXIT_OK:
+        print(failure_summary(result), file=sys.stderr)
+    else:
+        print(f"{result.playbook}: ok in {result.duration_s:.0f} s")
+    return result.exit_code
+
+
+# --- status -------------------------------------------------------------------------------------------------------
+_RAY_NODES = re.compile(r"^\s*(\d+)\s+node_", re.M)
+_RAY_GPUS = re.compile(r"([\d.]+)/([\d.]+) GPU")
+
+
+def parse_ray_status(text: str) -> dict[str, Any]:
+    """`ray status`: the Active section's node lines and the GPU usage line."""
+    active = text.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in text else ""
+    nodes = sum(int(n) for n in _RAY_NODES.findall(active))
+    gpus = _RAY_GPUS.search(text)
+    return {"nodes": nodes, "gpus_total": float(gpus.group(2)) if gpus else 0.0,
+            "gpus_used": float(gpus.group(1)) if gpus else 0.0}
+
+
+def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> tuple[RunResult, dict[str, Any]]:
+    result = _run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
+    nodes = {host: data.get("hy3spark_report_status", {}) for host, data in result.results.items()}
+    head = nodes.get(loaded.spec.head.name, {})
+    summary = {
+        "cluster": loaded.spec.name,
+        "nodes": nodes,
+        "ray": parse_ray_status(str(head.get("ray_status", ""))),
+        "endpoint": {"url": f"http://{loaded.spec.head.fabric_ip.ip}:{loaded.spec.serving.port}",
+                     "health": head.get("health"), "models": head.get("models", [])},
+        "kv_lines": [x for x in head.get("log_lines", []) if "KV cache size" in x or "Maximum concurrency" in x],
+        "transport": _transport(head.get("log_lines", [])),
+        "last_run": last_record(runs_dir),
+    }
+    return result, summary
+
+
+def _transport(lines: list[str]) -> str | None:
+    if not lines:
+        return None
+    vias = [x for x in lines if " via " in x]
+    if not vias:
+        return None
+    from hy3spark import nccl
+
+    report = nccl.parse_logs(["\n".join(vias)])
+    counts = {str(k): v for k, v in report.counts().items() if v}
+    return ", ".join(f"{k}: {v}" for k, v in counts.items()) or None
+
+
+def print_status(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"cluster {summary['cluster']}")
+    for col in ("node", "role", "containers", "image", "MemAvailable", "ray", "vllm"):
+        table.add_column(col)
+    for name, node in summary["nodes"].items():
+        containers = ", ".join(f"{c.get('Names')} ({c.get('State') or c.get('Status')})"
+                               for c in node.get("containers", [])) or "none"
+        versions = node.get("versions", {})
+        table.add_row(name, str(node.get("role")), containers, str(node.get("image_id", ""))[:19] or "absent",
+                      f"{int(node.get('mem_available_bytes') or 0) / (1 << 30):.1f} GiB",
+                      versions.get("ray") or "-", versions.get("vllm") or "-")
+    console.print(table)
+    ray, endpoint = summary["ray"], summary["endpoint"]
+    console.print(f"Ray: {ray['nodes']} node(s), {ray['gpus_total']:g} GPU(s) ({ray['gpus_used']:g} in use)")
+    health = "healthy" if endpoint["health"] == 200 else f"not answering ({endpoint['health']})"
+    console.print(f"endpoint {endpoint['url']}: {health}; models: {', '.join(endpoint['models']) or 'none'}")
+    for line in summary["kv_lines"]:
+        console.print(f"  {line.split('] ')[-1]}")
+    if summary["transport"]:
+        console.print(f"NCCL transport: {summary['transport']}")
+    last = summary.get("last_run")
+    if last:
+        console.print(f"last run: {last.get('started')} {last.get('status')} ({last.get('file')})")
+
+
+# --- run records --------------------------------------------------------------------------------------------------
+def last_record(runs_dir: Path) -> dict[str, Any] | None:
+    records = sorted((runs_dir / "records").glob("*.json"))
+    if not records:
+        return None
+    data = json.loads(records[-1].read_text())
+    return {"file": str(records[-1]), "started": data.get("started"), "status": data.get("status")}
+
+
+def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dict[str, Any] | None,
+                 started: str, labbook: Path) -> Path:
+    nodes = (summary or {}).get("nodes", {})
+    head = nodes.get(loaded.spec.head.name, {})
+    versions = head.get("versions", {})
+    record = {
+        "cluster": loaded.spec.name,
+        "spec": loaded.source,
+        "spec_sha256": loaded.sha256,
+        "started": started,
+        "status": result.status,
+        "exit_code": result.exit_code,
+        "duration_s": result.duration_s,
+        "phases_s": result.phases,
+        "image_ids": {name: node.get("image_id") for name, node in nodes.items()},
+        "versions": {k: versions.get(k) or None for k in ("vllm", "ray", "python", "nccl", "driver")},
+        "kv_lines": (summary or {}).get("kv_lines", []),
+        "kv_predicted": _predicted(loaded),
+        "transport": (summary or {}).get("transport"),
+        "ray": (summary or {}).get("ray"),
+        "failures": [f.__dict__ for f in result.failures],
+        "artifacts": str(result.private_data_dir),
+    }
+    out_dir = runs_dir / "records"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{started.replace(':', '').replace('-', '')}-{loaded.spec.name}.json"
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    kv = "; ".join(x.split("] ")[-1] for x in record["kv_lines"]) or "no KV lines"
+    line = (f"| {started} | up {loaded.spec.name} | {loaded.spec.serving.engine} {record['versions']['vllm'] or '?'} "
+            f"| {result.status} in {result.duration_s:.0f} s | {kv} | transport: {record['transport'] or '?'} "
+            f"| {path.name} |\n")
+    _append_labbook(labbook, line)
+    return path
+
+
+def _predicted(loaded: Loaded) -> dict[str, Any]:
+    from hy3spark.context import plan_summary
+
+    plan = plan_summary(loaded)
+    return {"kv_cache_size_line": plan["kv_cache_size_line"], "max_concurrency_line": plan["max_concurrency_line"]}
+
+
+def _append_labbook(labbook: Path, line: str) -> None:
+    labbook.parent.mkdir(parents=True, exist_ok=True)
+    new = not labbook.exists()
+    with labbook.open("a") as fh:
+        if new:
+            fh.write("# Lab notebook\n\nOne line per run (hy3spark up / hy3spark bench).\n\n")
+        fh.write(line)
+
+
+# --- logs ---------------------------------------------------------------------------------------------------------
+def read_log(loaded: Loaded, runs_dir: Path, offset: int | None, lines: int) -> tuple[str, int]:
+    """Read the serve log on the head through ansible-runner; from byte `offset`, or its last `lines` lines."""
+    import ansible_runner
+
+    from hy3spark.runner import secrets_handover
+
+    inventory = render_inventory(loaded, runs_dir)
+    log = SERVE_LOG
+    script = (f"wc -c < {log}; tail -c +{offset + 1} {log}" if offset is not None
+              else f"wc -c < {log}; tail -n {lines} {log}")
+    private = runs_dir / "logs-private"
+    private.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with secrets_handover([]) as handover:
+        r = ansible_runner.run(
+            private_data_dir=str(private), inventory=str(inventory), host_pattern=loaded.spec.head.name,
+            module="ansible.builtin.shell", module_args=script, quiet=True,
+            envvars={"ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"), "LC_ALL": "C.UTF-8", **handover},
+            rotate_artifacts=3,
+        )
+    for ev in r.events:
+        if ev.get("event") == "runner_on_ok":
+            out = ev["event_data"]["res"].get("stdout", "")
+            size_line, _, body = out.partition("\n")
+            return body + ("\n" if body else ""), int(size_line.strip() or 0)
+        if ev.get("event") in ("runner_on_failed", "runner_on_unreachable"):
+            res = ev["event_data"]["res"]
+            raise Hy3SparkError(f"cannot read {log} on {loaded.spec.head.name}: "
+                                f"{res.get('stderr') or res.get('msg')}")
+    raise Hy3SparkError(f"cannot read {log} on {loaded.spec.head.name}: ansible-runner {r.status} (rc {r.rc})")
+
+
+def follow_log(loaded: Loaded, runs_dir: Path, lines: int, interval: float = 2.0) -> int:
+    """Print the tail, then new bytes every `interval` s. Ctrl+C detaches; the engine keeps running."""
+    text, size = read_log(loaded, runs_dir, None, lines)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    try:
+        while True:
+            time.sleep(interval)
+            text, new_size = read_log(loaded, runs_dir, size, lines)
+            if new_size < size:  # the log was rotated or truncated: start over from its beginning
+                text, new_size = read_log(loaded, runs_dir, 0, lines)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            size = new_size
+    except KeyboardInterrupt:
+        print("\ndetached (the engine keeps running)", file=sys.stderr)
+        return EXIT_OK
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,254 @@
+"""Run the repo's playbooks through ansible-runner: progress, one-screen failure summaries, no secret on disk.
+
+Secrets: ansible-runner copies the child's whole environment into `artifacts/<id>/command` (and `env/envvars` if
+given). So for the length of a run the secret variables the spec names are taken OUT of this process's
+environment and handed to the playbook in a 0600 file (in a 0700 directory outside the private data dir, deleted
+afterwards) that the `hy3spark_secret` lookup reads. Each run gets a fresh private data dir of mode 0700.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Failure:
+    host: str
+    task: str
+    message: str
+    tail: list[str] = field(default_factory=list)
+    unreachable: bool = False
+
+
+@dataclass
+class RunResult:
+    playbook: str
+    status: str
+    rc: int
+    private_data_dir: Path
+    failures: list[Failure]
+    stats: dict[str, Any]
+    phases: dict[str, float]
+    duration_s: float
+    results: dict[str, dict[str, Any]]  # host -> last result of each task named "Report ..." (collected facts)
+
+    @property
+    def exit_code(self) -> int:
+        if self.rc == 0 and self.status == "successful":
+            return EXIT_OK
+        if any(f.unreachable for f in self.failures):
+            return EXIT_UNREACHABLE
+        return EXIT_FAILED
+
+
+@contextlib.contextmanager
+def secrets_handover(names: list[str]) -> Iterator[dict[str, str]]:
+    """Move the named variables out of os.environ into a 0600 file; restore everything afterwards."""
+    saved = {n: os.environ.pop(n) for n in names if n and n in os.environ}
+    tmpdir = tempfile.mkdtemp(prefix="hy3spark-secrets-")  # mkdtemp makes it 0700
+    path = Path(tmpdir) / "secrets.env"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        for key, value in saved.items():
+            if "\n" in value:
+                raise ValueError(f"{key} contains a newline")
+            fh.write(f"{key}={value}\n")
+    try:
+        yield {"HY3SPARK_SECRETS_FILE": str(path)}
+    finally:
+        path.unlink(missing_ok=True)
+        os.rmdir(tmpdir)
+        os.environ.update(saved)
+
+
+class Progress:
+    """Per host and task: a live rich table on a terminal, plain lines otherwise."""
+
+    def __init__(self, title: str, stream: Any = None, live: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live_enabled = self.stream.isatty() if live is None else live
+        self.title = title
+        self.hosts: dict[str, dict[str, Any]] = {}
+        self.task = ""
+        self._live = None
+
+    def __enter__(self) -> Progress:
+        if self.live_enabled:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(self._table(), console=Console(file=self.stream), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._table())
+            self._live.__exit__(*exc)
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"{self.title}: {self.task}", expand=False)
+        for col in ("host", "last task", "ok", "changed", "failed", "skipped"):
+            table.add_column(col)
+        for host, st in sorted(self.hosts.items()):
+            table.add_row(host, st["task"], str(st["ok"]), str(st["changed"]), str(st["failed"]), str(st["skipped"]))
+        return table
+
+    def _line(self, text: str) -> None:
+        if not self.live_enabled:
+            print(text, file=self.stream, flush=True)
+
+    def event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("event", "")
+        data = ev.get("event_data", {})
+        if kind == "playbook_on_play_start":
+            self._line(f"PLAY {data.get('play', '')}")
+        elif kind == "playbook_on_task_start":
+            self.task = data.get("task", "")
+        elif kind.startswith("runner_on_") and kind != "runner_on_start":
+            host = data.get("host", "?")
+            st = self.hosts.setdefault(host, {"task": "", "ok": 0, "changed": 0, "failed": 0, "skipped": 0})
+            st["task"] = data.get("task", "")
+            res = data.get("res", {}) if isinstance(data.get("res"), dict) else {}
+            if kind == "runner_on_ok":
+                st["changed" if res.get("changed") else "ok"] += 1
+                status = "changed" if res.get("changed") else "ok"
+            elif kind == "runner_on_skipped":
+                st["skipped"] += 1
+                status = "skipped"
+            elif kind in ("runner_on_failed", "runner_on_unreachable"):
+                ignored = data.get("ignore_errors")
+                unreachable = kind.endswith("unreachable")
+                status = "failed (ignored)" if ignored else ("UNREACHABLE" if unreachable else "FAILED")
+                if not ignored:
+                    st["failed"] += 1
+            else:
+                return
+            self._line(f"  {host:<20} {status:<9} {data.get('task', '')}")
+        if self._live is not None:
+            self._live.update(self._table())
+
+
+def _message(res: dict[str, Any]) -> tuple[str, list[str]]:
+    msg = str(res.get("msg") or res.get("reason") or "").strip()
+    tail: list[str] = []
+    for key in ("stderr_lines", "stdout_lines"):
+        lines = res.get(key) or []
+        if lines:
+            tail = [str(x) for x in lines[-15:]]
+            break
+    if not msg and tail:
+        msg = tail[-1]
+    return msg or "failed (no message)", tail
+
+
+def run_playbook(
+    playbook: str,
+    inventory: Path,
+    *,
+    runs_dir: Path,
+    secret_names: list[str],
+    tags: str | None = None,
+    limit: str | None = None,
+    check: bool = False,
+    diff: bool = False,
+    extravars: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    import ansible_runner
+
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=runs_dir))  # 0700
+    cmdline = []
+    if check:
+        cmdline.append("--check")
+    if diff:
+        cmdline.append("--diff")
+    failures: list[Failure] = []
+    results: dict[str, dict[str, Any]] = {}
+    play_starts: list[tuple[str, float]] = []
+
+    def on_event(ev: dict[str, Any]) -> bool:
+        kind = ev.get("event", "")
+        data = ev.get("event_data", {})
+        if kind == "playbook_on_play_start":
+            play_starts.append((data.get("play", ""), time.monotonic()))
+        if kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
+            res = data.get("res", {}) if isinstance(data.get("res"), dict) else {}
+            msg, tail = _message(res)
+            failures.append(Failure(data.get("host", "?"), data.get("task", "?"), msg, tail,
+                                    unreachable=kind == "runner_on_unreachable"))
+        if kind == "runner_on_ok" and str(data.get("task", "")).startswith("Report "):
+            res = data.get("res", {})
+            for key, value in res.items():
+                if key.startswith("hy3spark_report"):
+                    results.setdefault(data.get("host", "?"), {})[key] = value
+        if progress is not None:
+            progress.event(ev)
+        return True  # keep the event in the artifacts (job_events), as ansible-runner does by default
+
+    start = time.monotonic()
+    with secrets_handover(secret_names) as handover:
+        envvars = {
+            "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
+            "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
+            "ANSIBLE_LOOKUP_PLUGINS": str(REPO_ROOT / "plugins" / "lookup"),
+            "ANSIBLE_FORCE_COLOR": "0",
+            "ANSIBLE_NOCOLOR": "1",
+            "LC_ALL": "C.UTF-8",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            **handover,
+        }
+        runner = ansible_runner.run(
+            private_data_dir=str(private),
+            project_dir=str(REPO_ROOT),
+            playbook=str(REPO_ROOT / playbook),
+            inventory=str(inventory),
+            envvars=envvars,
+            extravars=extravars or {},
+            tags=tags,
+            limit=limit,
+            cmdline=" ".join(cmdline) or None,
+            event_handler=on_event,
+            quiet=True,
+        )
+    end = time.monotonic()
+    phases: dict[str, float] = {}
+    for i, (name, t0) in enumerate(play_starts):
+        t1 = play_starts[i + 1][1] if i + 1 < len(play_starts) else end
+        phases[name] = round(phases.get(name, 0.0) + (t1 - t0), 2)
+    return RunResult(playbook, runner.status, runner.rc, private, failures, runner.stats or {}, phases,
+                     round(end - start, 2), results)
+
+
+def failure_summary(result: RunResult) -> str:
+    """One screen: which host, which step, why, and the relevant log tail."""
+    lines = [f"{result.playbook} failed (rc {result.rc}, status {result.status}) after {result.duration_s:.0f} s"]
+    for f in result.failures[:8]:
+        kind = "UNREACHABLE" if f.unreachable else "FAILED"
+        lines.append(f"  {kind} host {f.host}, task '{f.task}':")
+        lines.extend(f"      {line}" for line in f.message.splitlines()[:12])
+        if f.tail and f.tail[-1] not in f.message:
+            lines.append("    log tail:")
+            lines.extend(f"      {line}" for line in f.tail[-10:])
+    if len(result.failures) > 8:
+        lines.append(f"  ... and {len(result.failures) - 8} more failures")
+    if not result.failures:
+        lines.append("  no task failed: ansible-playbook itself stopped (syntax or inventory error); artifacts in "
+                     f"{result.private_data_dir}/artifacts")
+    lines.append(f"  full log: {result.private_data_dir}/artifacts/*/stdout")
+    return "\n".join(lines)
