@@ -294,7 +294,9 @@ def earlyoom_args(spec: Spec) -> str:
     """EARLYOOM_ARGS for the protect policy: inference processes are avoided, never preferred."""
     eo = spec.earlyoom
     # No quotes and no spaces: systemd splits $EARLYOOM_ARGS at whitespace and passes quotes through literally.
-    avoid = "^(" + "|".join(eo.avoid) + ")$"
+    # --avoid matches by prefix: engines retitle their processes (vLLM's VLLM::EngineCore, Ray's ray::IDLE and
+    # ray::RayWorkerWrapper), and earlyoom sees that title, cut to 15 characters. --prefer stays exact.
+    avoid = "^(" + "|".join(eo.avoid) + ")"
     prefer = "^(" + "|".join(eo.prefer) + ")$"
     return f"-r 3600 -m {eo.mem_percent} -s {eo.swap_percent} --avoid {avoid} --prefer {prefer}"
 

@@ -112,7 +112,9 @@ def test_earlyoom_protect_avoids_engines_and_never_prefers_them() -> None:
     args = outputs["files/spark-a/etc/default/earlyoom"].split('EARLYOOM_ARGS="')[1].split('"')[0].split()
     avoid = re.compile(args[args.index("--avoid") + 1])
     prefer = re.compile(args[args.index("--prefer") + 1])
-    for proc in ("vllm", "VLLM", "ray", "raylet", "python3", "python", "trtllm-serve"):
+    # Bare names and the titles the engines really give their processes, as earlyoom sees them (comm, 15 chars).
+    for proc in ("vllm", "VLLM", "ray", "raylet", "python3", "python", "trtllm-serve", "VLLM::EngineCor", "ray::IDLE",
+                 "ray::RayWorkerW"):
         assert avoid.search(proc), proc
         assert not prefer.search(proc), proc
 
