@@ -1,0 +1,142 @@
+"""The Ray actor that stands in for one vLLM GPU worker (one TP x PP rank, one bundle of {"GPU": 1}).
+
+The class is named like vLLM's (``RayWorkerWrapper``), so Ray forwards its output to the driver as
+``(RayWorkerWrapper pid=N, ip=A.B.C.D) ...``, exactly where a real worker's lines appear. Each actor runs on the node
+that holds its bundle, with that node's environment (the Ray container's env file), and:
+
+- reports its IP the way vLLM's ``get_ip()`` does: ``VLLM_HOST_IP`` when set (the double falls back to Ray's node IP
+  instead of vLLM's UDP probe of 8.8.8.8);
+- applies the env vars the engine copies from the head (vllm/ray/ray_env.py rules), after which it records what it
+  sees: a worker must keep its OWN ``VLLM_HOST_IP`` and, when ``ray_non_carry_over_env_vars.json`` lists them, its
+  own NCCL/UCX/GLOO settings;
+- checks that the model is on THIS node at the same path, every shard readable (a real worker loads the weights
+  there); failures name the node's IP;
+- sizes its KV cache share from its fake GPU (see kv.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from vllm.double import kv, log
+from vllm.double.model import snapshot_dir, verify_files
+
+# What a worker reports back: its identity and the transport settings that must be per-node.
+REPORTED_ENV_PREFIXES = ("VLLM_HOST_IP", "NCCL_", "GLOO_", "TP_SOCKET_", "UCX_", "MASTER_ADDR", "OMPI_MCA_btl_tcp")
+
+
+def node_ip() -> str:
+    host_ip = os.environ.get("VLLM_HOST_IP", "").strip()
+    if host_ip:
+        return host_ip
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class RayWorkerWrapper:
+    def __init__(self, rpc_rank: int) -> None:
+        self.rpc_rank = rpc_rank
+        self.rank = rpc_rank
+        self.local_rank = 0
+        self.world_size = 1
+        self.tp = 1
+
+    # --- what vLLM's executor asks every worker -------------------------------------------------------------
+    def get_node_ip(self) -> str:
+        return node_ip()
+
+    def get_node_and_gpu_ids(self) -> tuple[str, list[int]]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), [int(x) for x in context.get_accelerator_ids().get("GPU", [])]
+
+    def adjust_rank(self, mapping: dict[int, int]) -> None:
+        self.rank = mapping.get(self.rpc_rank, self.rpc_rank)
+
+    def update_environment_variables(self, per_rank: list[dict[str, str]]) -> None:
+        os.environ.update(per_rank[self.rank])
+
+    def init_worker(self, per_rank: list[dict[str, Any]]) -> None:
+        kwargs = per_rank[self.rank]
+        self.local_rank, self.world_size, self.tp = kwargs["local_rank"], kwargs["world_size"], kwargs["tp"]
+        pp_rank, tp_rank = divmod(self.rank, self.tp)
+        log.info(
+            "parallel_state.py:1208",
+            f"rank {self.rank} in world size {self.world_size} is assigned as DP rank 0, PP rank {pp_rank}, "
+            f"TP rank {tp_rank}, EP rank {tp_rank}",
+            tag=None,
+        )
+
+    def init_device(self, gpu_memory_utilization: float) -> None:
+        kv.check_free_memory(gpu_memory_utilization)
+
+    def load_model(self, model_tag: str, revision: str | None, load_delay_s: float) -> int:
+        start = time.monotonic()
+        where = f"node {node_ip()} ({socket.gethostname()})"
+        try:
+            path = snapshot_dir(model_tag, revision)
+        except ValueError as err:
+            raise ValueError(
+                f"Model {model_tag!r} (revision {revision or 'main'}) is not in the Hugging Face cache on {where}; "
+                f"HF_HUB_CACHE={os.environ.get('HF_HUB_CACHE', '(unset)')}. Every node must hold the model at the "
+                f"same path.\n{err}"
+            ) from None
+        try:
+            verify_files(path)
+        except (FileNotFoundError, RuntimeError) as err:
+            raise type(err)(f"Cannot load the model weights on {where}: {err}") from None
+        if load_delay_s > 0:
+            time.sleep(load_delay_s)
+        self.model_path = str(path)
+        return int(time.monotonic() - start)
+
+    def log_model_loading(self, weights_per_rank: int, seconds: float) -> None:
+        log.info(
+            "gpu_model_runner.py:2653",
+            f"Model loading took {weights_per_rank / kv.GIB:.2f} GiB memory and {seconds:.6f} seconds",
+            tag=None,
+        )
+
+    def determine_available_memory(self, sizing: kv.Sizing) -> int:
+        available = kv.available_bytes(sizing)
+        if sizing.kv_cache_memory_bytes is not None:
+            log.info(
+                "gpu_worker.py:291",
+                f"Reserved {available / kv.GIB:.2f} GiB for KV cache as specified by kv_cache_memory_bytes config and "
+                "skipped memory profiling.",
+                tag=None,
+            )
+        else:
+            log.info("gpu_worker.py:298", f"Available KV cache memory: {available / kv.GIB:.2f} GiB", tag=None)
+        return available
+
+    # --- the double's own introspection ---------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        import ray
+
+        env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(REPORTED_ENV_PREFIXES)}
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "vllm_host_ip": os.environ.get("VLLM_HOST_IP"),
+            "hostname": socket.gethostname(),
+            "model_path": getattr(self, "model_path", None),
+            "env": env,
+        }
+
+    def ping(self) -> bool:
+        return True
