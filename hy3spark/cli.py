@@ -120,6 +120,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_logs)
 
+    p = sub.add_parser("bench", help="the lab's load test: tok/s, req/s, TTFT, TPOT per concurrency level",
+                       description="Load-test the endpoint with an established load generator (guidellm, or `vllm "
+                                   "bench serve` in the head container) and report, per concurrency level, output "
+                                   "tokens/s, requests/s, time to first token and time per output token (p50, p99). "
+                                   "Appends one line per run to the lab notebook and keeps the tool's report under "
+                                   "runs/bench/.",
+                       epilog="TPOT is vLLM's definition (first token excluded). guidellm runs from its own venv: "
+                              "scripts/bench-venv creates it. The API key comes from the variable the spec names "
+                              "(serving.api_key_env) and never reaches a command line.")
+    _spec_arg(p)
+    p.add_argument("--label", metavar="L", help="the run's name in the lab notebook (default: the cluster name)")
+    p.add_argument("--target", metavar="URL",
+                   help="OpenAI base URL, e.g. http://127.0.0.1:8888/v1 (default: the spec's endpoint)")
+    p.add_argument("--tool", choices=("guidellm", "vllm"), default="guidellm",
+                   help="load generator: guidellm (default) or `vllm bench serve` inside the head container")
+    p.add_argument("--concurrency", default="1,2,4", metavar="LIST", help="concurrency levels (default 1,2,4)")
+    p.add_argument("--requests", type=int, default=20, metavar="N", help="requests per level (default 20)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                   help="output tokens per request (default 256; synthetic prompts decode exactly N)")
+    p.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                   help="synthetic prompt length in tokens (default 512)")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="a prompt set instead of synthetic prompts: .txt (one per line), .jsonl/.json, .csv")
+    p.add_argument("--processor", metavar="DIR",
+                   help="tokenizer for guidellm's prompts (default: a small offline one; the counts reported "
+                        "come from the server)")
+    p.add_argument("--labbook", type=Path, metavar="PATH", help="lab notebook (default: runs/labbook.md)")
+    p.add_argument("--runs-dir", type=Path, metavar="DIR", help="where reports go (default: ./runs in the repo)")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("profiles", help="list the built-in profiles", description="List the built-in profiles.")
     p.set_defaults(func=cmd_profiles)
     return parser
@@ -309,6 +340,28 @@ def cmd_logs(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return EXIT_OK
     return operate.follow_log(loaded, runs, args.lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from hy3spark import bench
+
+    if args.requests < 1 or args.max_tokens < 1 or args.prompt_tokens < 1:
+        raise Hy3SparkError("--requests, --max-tokens and --prompt-tokens must be at least 1")
+    settings = bench.Settings(concurrency=bench.parse_levels(args.concurrency), requests=args.requests,
+                              max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, prompts=args.prompts,
+                              processor=args.processor)
+    runs = _runs_dir(args)
+    labbook = (args.labbook or runs / "labbook.md").resolve()
+    result = bench.run(_load(args.spec), settings=settings, tool=args.tool, label=args.label, target=args.target,
+                       labbook=labbook, runs_dir=runs)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        bench.print_table(result)
+        print(f"lab notebook: {labbook}")
+    return EXIT_OK
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
