@@ -290,11 +290,12 @@ def vllm_bench_available(container: str) -> None:
         raise Hy3SparkError(f"--tool vllm: the head container {container} is not running on this machine; run "
                             "hy3spark bench --tool vllm on the head itself, or use --tool guidellm (the default)")
     proc = _docker("exec", container, "vllm", "bench", "serve", "--help")
-    if proc.returncode != 0:
+    if proc.returncode != 0 or "--max-concurrency" not in proc.stdout:
         said = (proc.stderr or proc.stdout).strip().splitlines()
+        version = _docker("exec", container, "vllm", "--version").stdout.strip() or "version unknown"
         raise Hy3SparkError(f"--tool vllm: `vllm bench serve` is not available in the head container {container} "
-                            f"({said[-1] if said else f'exit {proc.returncode}'}); this engine image has no vLLM "
-                            "benchmark: use --tool guidellm (the default)")
+                            f"(vllm {version} says: {said[-1] if said else f'exit {proc.returncode}'}); this engine "
+                            "image has no vLLM benchmark: use --tool guidellm (the default)")
 
 
 def parse_vllm(result: dict[str, Any], concurrency: int) -> Level:
@@ -394,14 +395,19 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "run"
     out_dir = runs_dir / "bench" / f"{date.replace('-', '').replace(':', '')}-{slug}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    if tool == "vllm":
-        container = context["nodes"][spec.head.name]["container"]["name"]
-        model = context["hy3spark"]["model"]
-        tokenizer = (f"{model['repo_dir']}/snapshots/{model['revision']}"
-                     if re.fullmatch(r"[0-9a-f]{40}", model["revision"] or "") else model["repo"])
-        levels, tool_name, report = run_vllm(endpoint, settings, out_dir, container, tokenizer, api_key)
-    else:
-        levels, tool_name, report = run_guidellm(endpoint, settings, out_dir, label, api_key, key_env)
+    try:
+        if tool == "vllm":
+            container = context["nodes"][spec.head.name]["container"]["name"]
+            model = context["hy3spark"]["model"]
+            tokenizer = (f"{model['repo_dir']}/snapshots/{model['revision']}"
+                         if re.fullmatch(r"[0-9a-f]{40}", model["revision"] or "") else model["repo"])
+            levels, tool_name, report = run_vllm(endpoint, settings, out_dir, container, tokenizer, api_key)
+        else:
+            levels, tool_name, report = run_guidellm(endpoint, settings, out_dir, label, api_key, key_env)
+    except Hy3SparkError:
+        if not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
     result = BenchResult(label=label, date=date, tool=tool_name, endpoint=endpoint, settings=settings, levels=levels,
                          report=str(report))
     (out_dir / "result.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
