@@ -6,7 +6,7 @@ token (TPOT), the latter two at p50 and p99. TPOT is vLLM's definition (the firs
 
 Two tools:
 - guidellm (default), from its own venv (scripts/bench-venv: it needs torch, kept out of hy3spark's venv). It is
-  given the whole run as a scenario file of mode 0600, so the API key never appears on a command line.
+  given the whole run as a scenario file, and the API key in its environment, never on a command line.
 - `vllm bench serve` inside the head container, when the engine image has it (real vLLM images do; the test
   double does not, and says so).
 
@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,9 @@ from hy3spark.runner import REPO_ROOT
 
 DEFAULT_VENV = REPO_ROOT / ".cache" / "bench-venv"
 TOKENIZER_DIR = "hy3spark-tokenizer"
+# guidellm reads its settings, the scenario's included, from GUIDELLM__* variables: the key travels in the child's
+# environment (readable only by this user), never on a command line nor in a file.
+GUIDELLM_KEY_ENV = "GUIDELLM__SPEC__BACKEND__API_KEY"
 PROMPT_SUFFIXES = {".txt": "text_file", ".text": "text_file", ".jsonl": "json_file", ".json": "json_file",
                    ".csv": "csv_file"}
 
@@ -179,18 +181,18 @@ def ensure_tokenizer(venv: Path) -> Path:
     return out
 
 
-def _offline_env(secret_env: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != secret_env}
+def _offline_env(secret_env: str | None, api_key: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (secret_env, GUIDELLM_KEY_ENV)}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    if api_key:
+        env[GUIDELLM_KEY_ENV] = api_key
     return env
 
 
-def guidellm_scenario(endpoint: Endpoint, settings: Settings, processor: str, report: Path, label: str,
-                      api_key: str | None) -> dict[str, Any]:
+def guidellm_scenario(endpoint: Endpoint, settings: Settings, processor: str, report: Path,
+                      label: str) -> dict[str, Any]:
     backend: dict[str, Any] = {"kind": "openai_http", "target": endpoint.target, "model": endpoint.model,
                                "request_format": "/v1/completions"}
-    if api_key:
-        backend["api_key"] = api_key
     if settings.prompts is not None:
         kind = PROMPT_SUFFIXES.get(settings.prompts.suffix.lower())
         if kind is None:
@@ -254,22 +256,15 @@ def run_guidellm(endpoint: Endpoint, settings: Settings, out_dir: Path, label: s
     processor = settings.processor or str(ensure_tokenizer(venv))
     report = out_dir / "guidellm.json"
     log = out_dir / "guidellm.log"
-    scenario = guidellm_scenario(endpoint, settings, processor, report, label, api_key)
-    # The scenario carries the API key: a 0600 file in a 0700 directory, deleted when guidellm is done.
-    private = Path(tempfile.mkdtemp(prefix="hy3spark-bench-"))
-    try:
-        path = private / "scenario.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(scenario, fh)
-        argv = [str(venv / "bin" / "guidellm"), "run", "--scenario", str(path), "--disable-console-interactive"]
-        print(f"guidellm: {len(settings.concurrency)} level(s) x {settings.requests} requests against "
-              f"{endpoint.target} (log {log})", file=sys.stderr)
-        with log.open("w") as fh:
-            proc = subprocess.run(argv, cwd=private, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=_offline_env(key_env))
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
+    # The scenario holds the whole run and no secret: kept beside the report, `guidellm run --scenario` repeats it.
+    scenario = out_dir / "scenario.json"
+    scenario.write_text(json.dumps(guidellm_scenario(endpoint, settings, processor, report, label), indent=2) + "\n")
+    argv = [str(venv / "bin" / "guidellm"), "run", "--scenario", str(scenario), "--disable-console-interactive"]
+    print(f"guidellm: {len(settings.concurrency)} level(s) x {settings.requests} requests against "
+          f"{endpoint.target} (log {log})", file=sys.stderr)
+    with log.open("w") as fh:
+        proc = subprocess.run(argv, cwd=out_dir, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=_offline_env(key_env, api_key))
     if proc.returncode != 0 or not report.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise Hy3SparkError(f"guidellm failed (exit {proc.returncode}); the end of {log}:\n{tail}")

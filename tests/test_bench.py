@@ -68,6 +68,27 @@ def test_vllm_bench_result_gives_the_four_numbers() -> None:
         bench.parse_vllm({k: v for k, v in result.items() if k != "p99_ttft_ms"}, 4)
 
 
+def test_guidellm_scenario_levels_and_prompt_sets(tmp_path: Path) -> None:
+    endpoint = bench.Endpoint("http://127.0.0.1:8888/v1", "hy3", "vllm", "0.23.0")
+    settings = bench.Settings(concurrency=[1, 2, 4], requests=20, max_tokens=256, prompt_tokens=512)
+    scenario = bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")
+    spec = scenario["spec"]
+    assert scenario["benchmarks"] == [{"profile.streams": 1}, {"profile.streams": 2}, {"profile.streams": 4}]
+    assert spec["constraints"] == [{"kind": "max_requests", "count": 20}]
+    assert spec["data"] == [{"kind": "synthetic_text", "prompt_tokens": 512, "output_tokens": 256}]
+    assert "api_key" not in spec["backend"]  # the key travels in guidellm's environment only
+    assert spec["outputs"] == [{"kind": "json", "path": str(tmp_path / "r.json")}]
+
+    for name, kind in (("p.txt", "text_file"), ("p.jsonl", "json_file"), ("p.csv", "csv_file")):
+        settings.prompts = tmp_path / name
+        spec = bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")["spec"]
+        assert spec["data"] == [{"kind": kind, "path": str(tmp_path / name)}]
+        assert spec["backend"]["max_tokens"] == 256
+    settings.prompts = tmp_path / "p.parquet"
+    with pytest.raises(Hy3SparkError, match=r"use a \.txt"):
+        bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")
+
+
 def test_labbook_line_is_one_table_row() -> None:
     result = bench.BenchResult(
         label="tp2 | mtp", date="2026-01-02T03:04:05Z", tool="guidellm 0.8.1",
@@ -215,7 +236,7 @@ def test_bench_measures_the_double_and_appends_one_labbook_line(
 
     out_dir = Path(result["report"]).parent
     assert out_dir.parent == runs / "bench"
-    assert {p.name for p in out_dir.iterdir()} == {"guidellm.json", "guidellm.log", "result.json"}
+    assert {p.name for p in out_dir.iterdir()} == {"guidellm.json", "guidellm.log", "result.json", "scenario.json"}
     for path in [labbook, *out_dir.iterdir()]:
         assert KEY not in path.read_text(), f"the API key leaked into {path}"
 
