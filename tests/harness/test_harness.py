@@ -97,6 +97,19 @@ def test_scenario_platforms_boot_local_systemd_images(name: str) -> None:
             assert platform.get("cgroupns_mode") == "host", f"{where}: needs cgroupns_mode: host"
 
 
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_anonymous_volumes_go_with_their_container(name: str) -> None:
+    # Molecule's destroy keeps volumes unless told otherwise: an anonymous /var/lib/docker would leak the inner
+    # engine's images (hundreds of MB) on every run.
+    for platform in load_scenario(name).get("platforms", []):
+        anonymous = [v for v in platform.get("volumes", []) if ":" not in v]
+        if anonymous:
+            assert platform.get("keep_volumes") is False, (
+                f"molecule/{name}: platform {platform.get('name')} mounts anonymous volume(s) {anonymous}; "
+                "add keep_volumes: false"
+            )
+
+
 def test_platform_names_are_unique_across_scenarios() -> None:
     # `molecule destroy` removes containers by name: a shared name lets one scenario destroy another's node.
     seen: dict[str, str] = {}
