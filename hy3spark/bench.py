@@ -379,6 +379,8 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     from hy3spark.operate import _append_labbook, now
 
     spec = loaded.spec
+    if tool == "guidellm":
+        bench_venv()  # before anything else: a missing venv is a setup step, not a run failure
     context = build_context(loaded)
     key_env = spec.serving.api_key_env
     api_key = os.environ.get(key_env) if key_env else None

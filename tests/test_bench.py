@@ -193,6 +193,14 @@ def _command_lines_with(needle: str, stop: threading.Event, seen: list[str]) -> 
         time.sleep(0.2)
 
 
+def test_missing_bench_venv_names_the_script(cli, spec: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HY3SPARK_BENCH_VENV", str(tmp_path / "no-venv"))
+    result = cli("bench", str(spec), "--target", "http://127.0.0.1:9/v1", "--runs-dir", str(tmp_path))
+    assert result.code == 1
+    assert f"guidellm is not installed in {tmp_path / 'no-venv'}: run scripts/bench-venv" in result.err
+    assert not (tmp_path / "labbook.md").exists()
+
+
 def test_bench_measures_the_double_and_appends_one_labbook_line(
     bench_venv: Path, endpoint: str, spec: Path, tmp_path: Path
 ) -> None:
