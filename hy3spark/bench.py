@@ -198,6 +198,8 @@ def guidellm_scenario(endpoint: Endpoint, settings: Settings, processor: str, re
         if kind is None:
             raise Hy3SparkError(f"--prompts {settings.prompts}: use a .txt (one prompt per line), .jsonl/.json "
                                 "(a 'prompt' field) or .csv file")
+        if not settings.prompts.is_file():
+            raise Hy3SparkError(f"--prompts {settings.prompts}: no such file")
         data = {"kind": kind, "path": str(settings.prompts.resolve())}
         backend["max_tokens"] = settings.max_tokens
     else:

@@ -81,11 +81,15 @@ def test_guidellm_scenario_levels_and_prompt_sets(tmp_path: Path) -> None:
 
     for name, kind in (("p.txt", "text_file"), ("p.jsonl", "json_file"), ("p.csv", "csv_file")):
         settings.prompts = tmp_path / name
+        settings.prompts.write_text("What is a DGX Spark?\n")
         spec = bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")["spec"]
         assert spec["data"] == [{"kind": kind, "path": str(tmp_path / name)}]
         assert spec["backend"]["max_tokens"] == 256
     settings.prompts = tmp_path / "p.parquet"
     with pytest.raises(Hy3SparkError, match=r"use a \.txt"):
+        bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")
+    settings.prompts = tmp_path / "missing.txt"
+    with pytest.raises(Hy3SparkError, match=r"missing\.txt: no such file"):
         bench.guidellm_scenario(endpoint, settings, "/tok", tmp_path / "r.json", "lab")
 
 
