@@ -1,0 +1,238 @@
+#!/usr/bin/python
+"""hy3spark_model_files: the manifest of one model snapshot in a Hugging Face hub cache, and its verification."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: hy3spark_model_files
+short_description: List and verify the files of a model snapshot in a Hugging Face hub cache
+description:
+  - Without I(expected) (the head) it resolves the revision to a commit (a 40-character sha, or C(refs/<revision>)),
+    builds the manifest of C(snapshots/<commit>/) from the hub's own metadata (C(trees/<commit>.json) when the client
+    wrote it, else the blob names the snapshot links point to) and verifies the files against it.
+  - With I(expected) (a worker) it verifies this node's copy against the head's manifest.
+  - Verification covers every file, following links - presence, size and, where the hub published one,
+    the hash (sha256 for LFS files, the git blob sha1 for the others). It also
+    checks that C(refs/<revision>) names the commit. Hashes are remembered per file by (size, mtime, ctime, inode)
+    in I(state_file), so an unchanged file is not read again; any write to a file changes its ctime.
+  - Returns what this node needs (paths relative to I(repo_dir)) and the free space where they would land.
+options:
+  repo_dir: {description: The model's directory in the cache (models--org--name)., type: path, required: true}
+  revision: {description: Branch, tag or 40-character commit sha., type: str, required: true}
+  expected: {description: The head's result (commit, files, meta_files); omit on the head., type: dict}
+  verify_hashes: {description: Compare hashes, not only presence and size., type: bool, default: true}
+  rehash: {description: Hash every file again, ignoring the remembered hashes., type: bool, default: false}
+  state_file: {description: Where the remembered hashes are kept (JSON)., type: path}
+  threads: {description: Files hashed in parallel., type: int, default: 4}
+  fail_on_problems: {description: Fail, naming every bad file, when anything is missing or wrong., type: bool,
+                     default: false}
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from ansible.module_utils.basic import AnsibleModule
+
+SHA1 = re.compile(r"^[0-9a-f]{40}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+CHUNK = 8 << 20
+
+
+def resolve_commit(repo_dir, revision):
+    if SHA1.match(revision):
+        return revision
+    try:
+        with open(os.path.join(repo_dir, "refs", revision)) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def manifest_from_cache(repo_dir, commit):
+    """[{path, size, sha256, git_sha1}] from trees/<commit>.json, else from the snapshot's links into blobs/."""
+    snapshot = os.path.join(repo_dir, "snapshots", commit)
+    tree_path = os.path.join(repo_dir, "trees", commit + ".json")
+    files = []
+    try:
+        with open(tree_path) as fh:
+            tree = json.load(fh)["files"]
+    except (OSError, ValueError, KeyError):
+        tree = None
+    if tree is not None:
+        for path, info in sorted(tree.items()):
+            lfs = info.get("lfs_sha256")
+            files.append({"path": path, "size": int(info["size"]), "sha256": lfs,
+                          "git_sha1": None if lfs else info.get("blob_id")})
+        return files, "trees/%s.json" % commit
+    for dirpath, dirnames, filenames in os.walk(snapshot):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, snapshot)
+            try:
+                size = os.stat(full).st_size
+            except OSError:
+                size = None  # a dangling link: the verification reports it
+            blob = os.path.basename(os.readlink(full)) if os.path.islink(full) else ""
+            files.append({"path": rel, "size": size, "sha256": blob if SHA256.match(blob) else None,
+                          "git_sha1": blob if SHA1.match(blob) else None})
+    return files, None
+
+
+def load_state(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(path, state):
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(state, fh, indent=0, sort_keys=True)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def hash_file(path, size):
+    sha256 = hashlib.sha256()
+    sha1 = hashlib.sha1(b"blob %d\0" % size)  # git's blob id, as the hub publishes it for non-LFS files
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            if not chunk:
+                break
+            sha256.update(chunk)
+            sha1.update(chunk)
+    return {"sha256": sha256.hexdigest(), "git_sha1": sha1.hexdigest()}
+
+
+def free_bytes(path):
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path or "/")
+    return st.f_bavail * st.f_frsize
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "repo_dir": {"type": "path", "required": True},
+            "revision": {"type": "str", "required": True},
+            "expected": {"type": "dict"},
+            "verify_hashes": {"type": "bool", "default": True},
+            "rehash": {"type": "bool", "default": False},
+            "state_file": {"type": "path"},
+            "threads": {"type": "int", "default": 4},
+            "fail_on_problems": {"type": "bool", "default": False},
+        },
+        supports_check_mode=True,
+    )
+    p = module.params
+    repo_dir, revision, expected = p["repo_dir"].rstrip("/"), p["revision"], p["expected"]
+
+    if expected is None:
+        commit = resolve_commit(repo_dir, revision)
+        if commit is None or not os.path.isdir(os.path.join(repo_dir, "snapshots", commit)):
+            module.fail_json(msg="%s has no snapshot for revision %s (refs/%s missing or no snapshots/<commit>/)"
+                                 % (repo_dir, revision, revision), commit=commit)
+        files, tree_file = manifest_from_cache(repo_dir, commit)
+        meta_files = ([] if SHA1.match(revision) else ["refs/" + revision]) + ([tree_file] if tree_file else [])
+    else:
+        commit, files, meta_files = expected["commit"], expected["files"], expected["meta_files"]
+
+    snapshot_rel = "snapshots/" + commit
+    snapshot = os.path.join(repo_dir, snapshot_rel)
+    state = load_state(p["state_file"]) if p["state_file"] and not p["rehash"] else {}
+    new_state = {}
+    problems, need, to_hash = [], [], []
+    for entry in files:
+        full = os.path.join(snapshot, entry["path"])
+        try:
+            st = os.stat(full)
+        except OSError:
+            problems.append({"path": entry["path"], "problem": "missing" if not os.path.islink(full) else
+                             "dangling link", "expected": entry["size"], "actual": None})
+            continue
+        if entry["size"] is not None and st.st_size != entry["size"]:
+            problems.append({"path": entry["path"], "problem": "size", "expected": entry["size"],
+                             "actual": st.st_size})
+            continue
+        if p["verify_hashes"] and (entry["sha256"] or entry["git_sha1"]):
+            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            known = state.get(entry["path"])
+            if known and known["stamp"] == stamp:
+                new_state[entry["path"]] = known
+            else:
+                to_hash.append((entry, full, stamp))
+    hashed = 0
+    with ThreadPoolExecutor(max_workers=max(1, p["threads"])) as pool:
+        results = pool.map(lambda item: hash_file(item[1], item[2][0]), to_hash)
+        for (entry, _full, stamp), digest in zip(to_hash, results):
+            new_state[entry["path"]] = {"stamp": stamp, **digest}
+            hashed += stamp[0]
+    for entry in files:
+        got = new_state.get(entry["path"])
+        if not got:
+            continue
+        for kind in ("sha256", "git_sha1"):
+            if entry[kind] and got[kind] != entry[kind]:
+                problems.append({"path": entry["path"], "problem": kind, "expected": entry[kind], "actual": got[kind]})
+                new_state.pop(entry["path"])
+                break
+    for entry in problems:
+        need.append(snapshot_rel + "/" + entry["path"])
+    meta_problems = []
+    for rel in meta_files:
+        if rel.startswith("refs/"):
+            current = resolve_commit(repo_dir, rel[5:]) if not SHA1.match(rel[5:]) else None
+            if current != commit:
+                meta_problems.append({"path": rel, "problem": "ref", "expected": commit, "actual": current})
+        elif not os.path.isfile(os.path.join(repo_dir, rel)):
+            meta_problems.append({"path": rel, "problem": "missing", "expected": None, "actual": None})
+    need += [m["path"] for m in meta_problems]
+    problems += meta_problems
+
+    if p["state_file"] and not module.check_mode and new_state != state:
+        save_state(p["state_file"], new_state)
+
+    sizes = {snapshot_rel + "/" + f["path"]: f["size"] or 0 for f in files}
+    need_bytes = sum(sizes.get(n, 0) for n in need)
+    listed = {f["path"] for f in files}
+    extras = []
+    for dirpath, dirnames, filenames in os.walk(snapshot):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".hy3spark-partial"))
+        extras += [os.path.relpath(os.path.join(dirpath, n), snapshot) for n in sorted(filenames)
+                   if os.path.relpath(os.path.join(dirpath, n), snapshot) not in listed]
+    result = {
+        "changed": False,
+        "commit": commit,
+        "snapshot": snapshot,
+        "files": files,
+        "meta_files": meta_files,
+        "total_bytes": sum(f["size"] or 0 for f in files),
+        "problems": problems,
+        "need": need,
+        "need_bytes": need_bytes,
+        "hashed_bytes": hashed,
+        "extras": extras,
+        "free_bytes": free_bytes(repo_dir),
+    }
+    if problems and p["fail_on_problems"]:
+        names = ", ".join("%s (%s)" % (x["path"], x["problem"]) for x in problems)
+        module.fail_json(msg="%d file(s) of %s@%s are missing or wrong on this node: %s"
+                             % (len(problems), os.path.basename(repo_dir), commit, names), **result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
