@@ -1,8 +1,9 @@
 """Build the local Docker images the Molecule scenarios run on, from Debian packages: no registry is reachable.
 
 Each recipe (recipes.py) becomes `hy3spark/<name>:<hash>` through `debootstrap --variant=minbase` and
-`docker import`. The hash covers the recipe and this file, so an existing tag is reused as is. The tags are written
-to .cache/images.env as `HY3SPARK_<NAME>_IMAGE=...` lines, which scripts/test exports for molecule.yml files.
+`docker import`. The hash covers the recipe and the code here that shapes an image (builder_fingerprint), so an
+existing tag is reused as is. The tags are written to .cache/images.env as `HY3SPARK_<NAME>_IMAGE=...` lines,
+which scripts/test exports for the molecule.yml files.
 
 Run through scripts/build-images (as root: debootstrap, chroot and mount need it).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -44,9 +46,15 @@ class BuildError(Exception):
     pass
 
 
+def builder_fingerprint() -> str:
+    """The source of what shapes an image's content; the CLI, locking and the env file don't change images."""
+    shaping = (ChrootSession, chroot, build, docker_import)
+    return repr((CHROOT_ENV, LABEL)) + "".join(inspect.getsource(part) for part in shaping)
+
+
 def recipe_hash(recipe: Recipe) -> str:
     digest = hashlib.sha256()
-    digest.update(Path(__file__).read_bytes())
+    digest.update(builder_fingerprint().encode())
     digest.update(recipe.fingerprint().encode())
     return digest.hexdigest()[:12]
 
@@ -269,16 +277,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{recipe.name}: built {tag} in {time.monotonic() - start:.0f} s", flush=True)
                 prune(recipe, keep=tag)
             write_env(args.env_file, recipes)
-            for relative in EXTERNAL_BUILDERS:
-                script = ROOT / relative
-                if args.only and script.parent.name not in args.only:
-                    continue
-                if not script.is_file():
-                    print(f"{relative}: not found, skipped")
-                    continue
-                start = time.monotonic()
-                run_external(script, args.env_file, args.force)
-                print(f"{relative}: done in {time.monotonic() - start:.0f} s", flush=True)
+        # Outside the lock: an external builder takes images.lock itself to write its line.
+        for relative in EXTERNAL_BUILDERS:
+            script = ROOT / relative
+            if args.only and script.parent.name not in args.only:
+                continue
+            if not script.is_file():
+                print(f"{relative}: not found, skipped")
+                continue
+            start = time.monotonic()
+            run_external(script, args.env_file, args.force)
+            print(f"{relative}: done in {time.monotonic() - start:.0f} s", flush=True)
     except BuildError as err:
         print(f"build-images: error: {err}", file=sys.stderr)
         return 1

@@ -145,6 +145,7 @@ def dnode() -> Recipe:
 RECIPES: tuple[Callable[[], Recipe], ...] = (node, dnode)
 
 # Images with a builder script of their own, run after the recipes above with `--env-file FILE` (and `--force`):
-# each reuses its tag when present and writes only its own HY3SPARK_<NAME>_IMAGE line into FILE. Paths are
+# each reuses its tag when present and writes only its own HY3SPARK_<NAME>_IMAGE line into FILE (holding
+# .cache/images.lock while it does: images.py runs it after releasing that lock). Paths are
 # relative to the repository root; a missing script is skipped.
 EXTERNAL_BUILDERS: tuple[str, ...] = ("tests/engine_double/build-image",)
