@@ -293,7 +293,8 @@ def _per_node_env(name: str) -> bool:
 def earlyoom_args(spec: Spec) -> str:
     """EARLYOOM_ARGS for the protect policy: inference processes are avoided, never preferred."""
     eo = spec.earlyoom
-    # No quotes and no spaces: systemd splits $EARLYOOM_ARGS at whitespace and passes quotes through literally.
+    # No spaces inside a pattern: systemd splits $EARLYOOM_ARGS at whitespace (it does drop quotes, but unquoted
+    # patterns need no quoting rules at all).
     # --avoid matches by prefix: engines retitle their processes (vLLM's VLLM::EngineCore, Ray's ray::IDLE and
     # ray::RayWorkerWrapper), and earlyoom sees that title, cut to 15 characters. --prefer stays exact.
     avoid = "^(" + "|".join(eo.avoid) + ")"

@@ -496,6 +496,19 @@ def _find_inline_secrets(data: Any, path: tuple[str | int, ...] = ()) -> list[Pr
     return problems
 
 
+def _find_jinja(data: Any, path: tuple[str | int, ...] = ()) -> list[Problem]:
+    """Values land in the Ansible inventory, and Ansible templates every string it reads there: a `{{` in the spec
+    would be previewed as written but deployed as something else."""
+    if isinstance(data, dict):
+        return [p for key, value in data.items() for p in _find_jinja(value, (*path, str(key)))]
+    if isinstance(data, list):
+        return [p for i, item in enumerate(data) for p in _find_jinja(item, (*path, i))]
+    if isinstance(data, str) and any(mark in data for mark in ("{{", "{%", "{#")):
+        return [(path, "contains Jinja syntax ({{, {% or {#), which Ansible would evaluate when it reads the "
+                       "inventory, so the deployed value would differ from the preview; write the value literally")]
+    return []
+
+
 def _pydantic_problem(err: dict[str, Any]) -> Problem:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
     kind, msg, given = err["type"], err["msg"], err.get("input")
@@ -541,6 +554,10 @@ def parse_spec(text: str, source: str) -> Loaded:
     secret_problems = _find_inline_secrets(data)
     if secret_problems:
         raise SpecError(source, render(secret_problems))
+
+    jinja_problems = _find_jinja(data)
+    if jinja_problems:
+        raise SpecError(source, render(jinja_problems))
 
     merged = data
     profile = data.get("profile")

@@ -182,3 +182,9 @@ def test_one_rdma_twin_warns(cli, tmp_path: Path) -> None:
     result = cli("validate", str(write(tmp_path, BASE.replace("[rocep1s0f1, roceP2p1s0f1]", "[rocep1s0f1]"))))
     assert result.code == 0
     assert "fabric.hcas: only one RoCE device listed" in result.err
+
+
+def test_jinja_syntax_in_a_value(cli, tmp_path: Path) -> None:
+    """Ansible templates every inventory string: a preview would not be what lands on the node."""
+    assert_rejected(cli, tmp_path, BASE + "container:\n  env:\n    BANNER: '{{ not_a_var }}'\n",
+                    "cluster.yml:16: container.env.BANNER: contains Jinja syntax")

@@ -105,22 +105,9 @@ def _awkward_spec() -> dict[str, object]:
     return spec
 
 
-def _jinja_spec() -> dict[str, object]:
-    """A spec value that looks like Jinja. The Python side writes it literally; Ansible templates inventory strings
-    when it reads them, so the node would get something else (or the play fails on an undefined variable)."""
-    spec = _spec_for("gpt-oss-120b-single")
-    spec["name"] = "parity-jinja"
-    spec["container"] = {"env": {"BANNER": "{{ not_a_var }} and {% raw %}"}}
-    return spec
-
-
-SPECS = {**{p: _spec_for(p) for p in available_profiles()}, "awkward-values": _awkward_spec(),
-         "jinja-looking-value": _jinja_spec()}
-# Known divergences, each a bug to fix outside this file; strict, so the fix makes this test fail until removed here.
-KNOWN_DIVERGENT = {
-    "jinja-looking-value": "the rendered inventory does not mark spec strings !unsafe, so Ansible templates them "
-                           "(fix in templates/inventory/*.j2 + hy3spark/render.py, or reject '{{'/'{%' in the spec)",
-}
+SPECS = {**{p: _spec_for(p) for p in available_profiles()}, "awkward-values": _awkward_spec()}
+# A value that looks like Jinja would diverge (Ansible templates inventory strings): the spec rejects it, see
+# tests/test_spec_validation.py::test_jinja_syntax_in_a_value.
 
 
 def _python_render(spec_file: Path, out: Path) -> None:
@@ -150,11 +137,7 @@ def test_every_template_is_covered() -> None:
     assert on_disk == set(PARITY), f"templates/ and PARITY differ: {sorted(on_disk ^ set(PARITY))}"
 
 
-@pytest.mark.parametrize("spec_name", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_DIVERGENT[name], strict=True))
-    if name in KNOWN_DIVERGENT else name
-    for name in sorted(SPECS)
-])
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
 def test_ansible_template_matches_python_render(spec_name: str, tmp_path: Path) -> None:
     assert ANSIBLE_PLAYBOOK.is_file(), f"{ANSIBLE_PLAYBOOK} not found: install the dev extra into this venv"
     spec = SPECS[spec_name]
