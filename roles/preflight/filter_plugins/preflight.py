@@ -187,10 +187,11 @@ def ping(results: Mapping[str, Any] | Sequence[Mapping[str, Any]], node: str, sr
                    "on any switch between them")
         else:
             found = "no reply" + (f" ({stats.group(2)}/{stats.group(1)})" if stats else "")
-            detail = _first_line(err)
+            detail = _first_line(res.get("stderr"))
             if detail:
                 found += f": {detail}"
-            fix = f"check that {peer} is up, cabled and carries {peer_ip} on its fabric interface"
+            fix = (f"check both ends (their interface and address rows): this node's fabric interface, and that "
+                   f"{peer} is up, cabled and carries {peer_ip}")
         rows.append(row(node, check, "fail", expected, found, fix, target=peer))
     return rows
 
@@ -200,7 +201,7 @@ def ping(results: Mapping[str, Any] | Sequence[Mapping[str, Any]], node: str, sr
 # ---------------------------------------------------------------------------------------------------------------
 def ssh(results: Mapping[str, Any] | Sequence[Mapping[str, Any]], node: str, known_hosts: str) -> list[Row]:
     items = results.get("results", []) if isinstance(results, Mapping) else results
-    pinned = known_hosts or "the user's and the system's known_hosts"
+    pinned = known_hosts or "~/.ssh/known_hosts"
     rows: list[Row] = []
     for res in items:
         peer, ip, user = res["item"]["name"], res["item"]["fabric_ip"], res["item"]["ssh_user"]
@@ -217,7 +218,8 @@ def ssh(results: Mapping[str, Any] | Sequence[Mapping[str, Any]], node: str, kno
                    "otherwise something else answers on that address")
         elif "Host key verification failed" in err or "host key is known" in err:
             found = f"host key unknown: {ip} is not pinned in {pinned}"
-            fix = f"pin {peer}'s host key for {ip} (the network role writes {pinned}); never disable the check"
+            fix = (f"pin {peer}'s host key for {ip} in {pinned} on the head: run the network role (it reads the key "
+                   "on the worker itself); never turn host key checking off")
         elif "Permission denied" in err:
             found = f"permission denied: {user}@{ip} does not accept the head's key"
             fix = (f"add {user}'s public key on the head to {user}@{peer}:~/.ssh/authorized_keys "

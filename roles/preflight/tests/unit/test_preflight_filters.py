@@ -92,12 +92,14 @@ def test_fabric_ip_failure_fails_every_row():
 def test_ping_pass_and_failures():
     res = {"results": [
         {"item": WORKER, "rc": 0, "stdout": "3 packets transmitted, 3 received, 0% packet loss"},
-        {"item": {**WORKER, "name": "spark-c"}, "rc": 1, "stdout": "3 packets transmitted, 0 received"},
+        {"item": {**WORKER, "name": "spark-c"}, "rc": 1, "stdout": "3 packets transmitted, 0 received",
+         "msg": "non-zero return code"},
         {"item": {**WORKER, "name": "spark-d"}, "rc": 2, "stderr": "ping: bind: Cannot assign requested address"},
     ]}
     rows = pf.ping(res, "spark-a", "10.0.0.1", 9000)
     assert by(rows, "ping", "spark-b")["status"] == "pass" and by(rows, "ping", "spark-b")["found"] == "3/3 replies"
-    assert by(rows, "ping", "spark-c")["found"].startswith("no reply (0/3)")
+    assert by(rows, "ping", "spark-c")["found"] == "no reply (0/3)"
+    assert "this node's fabric interface" in by(rows, "ping", "spark-c")["fix"]
     assert "not on this node" in by(rows, "ping", "spark-d")["found"]
 
 
