@@ -217,7 +217,12 @@ class RayExecutor:
         ]
         self.call("update_environment_variables", per_rank_env)
         kwargs = [
-            {"local_rank": node_workers[node_id].index(rank), "world_size": self.world_size, "tp": self.tp}
+            {
+                "local_rank": node_workers[node_id].index(rank),
+                "world_size": self.world_size,
+                "tp": self.tp,
+                "nodes": len(node_workers),
+            }
             for rank, (node_id, _gpus) in enumerate(node_and_gpus)
         ]
         self.call("init_worker", kwargs)
@@ -240,15 +245,18 @@ class RayExecutor:
             )
         return self.reports
 
-    def alive(self, timeout: float = 10.0) -> str | None:
-        """None when every worker answers; else the error (a dead node, a killed actor)."""
+    def alive(self, timeout: float = 10.0) -> tuple[bool, str | None]:
+        """(fatal, problem): problem is None when every worker answers. A dead actor or node is fatal at once; a
+        ping that only timed out is not (a loaded machine), the caller decides after several."""
         import ray
 
         try:
             ray.get([w.ping.remote() for w in self.workers], timeout=timeout)
-        except Exception as err:  # ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
-            return f"{type(err).__module__}.{type(err).__name__}: {err}"
-        return None
+        except ray.exceptions.GetTimeoutError as err:
+            return False, f"ray.exceptions.GetTimeoutError: {err}"
+        except Exception as err:  # ActorDiedError, ActorUnavailableError, RayTaskError
+            return True, f"{type(err).__module__}.{type(err).__name__}: {err}"
+        return False, None
 
     def shutdown(self) -> None:
         import ray

@@ -149,8 +149,8 @@ class LocalExecutor:
         ]
         return self.reports
 
-    def alive(self, timeout: float = 10.0) -> str | None:
-        return None
+    def alive(self, timeout: float = 10.0) -> tuple[bool, str | None]:
+        return False, None
 
     def shutdown(self) -> None:
         pass
@@ -219,10 +219,15 @@ def engine_failed(exc: BaseException) -> int:
 
 def monitor(executor: Any, state: ServerState, server: Any, outcome: dict[str, int]) -> None:
     interval = _env_float("VLLM_DOUBLE_HEALTH_INTERVAL_S", 5)
+    timeouts = 0
     while state.dead is None:
         time.sleep(interval)
-        problem = executor.alive(timeout=max(interval, 5))
+        fatal, problem = executor.alive(timeout=10)
         if problem is None:
+            timeouts = 0
+            continue
+        timeouts += 1
+        if not fatal and timeouts < 3:
             continue
         state.dead = problem
         log.error("core.py:1101", "EngineCore encountered a fatal error.", E)
@@ -340,4 +345,9 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
         server.server_close()
         if outcome["code"] == 0:
             executor.shutdown()
+    if outcome["code"]:
+        # The engine is dead: Ray's client threads may still wait on the lost node, so do not let them hold the exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(outcome["code"])
     return outcome["code"]

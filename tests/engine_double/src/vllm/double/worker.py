@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from vllm.double import kv, log
+from vllm.double import kv, log, nccl
 from vllm.double.model import snapshot_dir, verify_files
 
 # What a worker reports back: its identity and the transport settings that must be per-node.
@@ -72,6 +72,7 @@ class RayWorkerWrapper:
     def init_worker(self, per_rank: list[dict[str, Any]]) -> None:
         kwargs = per_rank[self.rank]
         self.local_rank, self.world_size, self.tp = kwargs["local_rank"], kwargs["world_size"], kwargs["tp"]
+        self.nodes = kwargs.get("nodes", 1)
         pp_rank, tp_rank = divmod(self.rank, self.tp)
         log.info(
             "parallel_state.py:1208",
@@ -82,6 +83,8 @@ class RayWorkerWrapper:
 
     def init_device(self, gpu_memory_utilization: float) -> None:
         kv.check_free_memory(gpu_memory_utilization)
+        # init_distributed_environment: the NCCL communicator over all ranks (NCCL_DEBUG=INFO shows its transport).
+        nccl.emit(self.rank, self.world_size, self.nodes, node_ip())
 
     def load_model(self, model_tag: str, revision: str | None, load_delay_s: float) -> int:
         start = time.monotonic()
@@ -134,6 +137,7 @@ class RayWorkerWrapper:
             "node_ip": ray.util.get_node_ip_address(),
             "vllm_host_ip": os.environ.get("VLLM_HOST_IP"),
             "hostname": socket.gethostname(),
+            "nccl_transport": nccl.transport() if self.world_size > 1 else None,
             "model_path": getattr(self, "model_path", None),
             "env": env,
         }

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # hy3spark TEST DOUBLE of vllm/reasoning/hy_v3_reasoning_parser.py as shipped in vLLM 0.23: <think> and </think>
-# are hard-coded bare; Hy3's released tokenizer has <think:opensource> (tokenizer_config.json "token_suffix").
+# are hard-coded bare; Hy3's released tokenizer has <think:opensource> (the suffix is named in tokenizer_config.json).
 
 from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser
 

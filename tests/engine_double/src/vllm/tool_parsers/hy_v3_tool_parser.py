@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # hy3spark TEST DOUBLE of vllm/tool_parsers/hy_v3_tool_parser.py as shipped in vLLM 0.23: the special tokens are
 # hard-coded bare (<tool_calls>, ...). Hy3's released tokenizer suffixes them (<tool_calls:opensource>) and names the
-# suffix in tokenizer_config.json's "token_suffix", which newer vLLM reads; this version does not, so it cannot find
-# its tokens in that tokenizer. hy3spark's vllm_serve role patches this file, as the Hy3 recipe does.
+# suffix in tokenizer_config.json, which newer vLLM reads; this version does not, so it cannot find its tokens in that
+# tokenizer. hy3spark's vllm_serve role patches this file, as the Hy3 recipe does.
 
 import json
 import re  # vLLM imports the `regex` package as re; the stdlib module does the same here
