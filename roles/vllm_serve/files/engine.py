@@ -1,0 +1,221 @@
+"""The serving engine inside the head container (piped to `docker exec -i <head> python3 - COMMAND ...`).
+
+Ray is PID 1 there and the engine is a `docker exec -d` child of nothing we hold, so it is found by its command
+line: the serve script, or the `vllm serve` it execs into. Always exits 0 and prints one JSON line last.
+
+  status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
+  stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
+  wait SCRIPT URL TIMEOUT_S LOG LINES         until /health answers 200; stop at once if the engine died
+  patch SUFFIX [--check]                      hy_v3 parsers: add SUFFIX to their bare special tokens
+"""
+
+import ast
+import glob
+import importlib.util
+import json
+import os
+import re
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+
+KV_CACHE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# The structural tokens vLLM's hy_v3 tool and reasoning parsers hard-code.
+HY_V3_TOKENS = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _is_engine(argv: list[str], script: str) -> bool:
+    if script in argv:
+        return True
+    return any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))
+
+
+def engines(script: str) -> list[int]:
+    """Engine PIDs, without the children that share the command line (the log tee's subshell)."""
+    me = os.getpid()
+    pids = (int(p) for p in os.listdir("/proc") if p.isdigit())
+    found = {p for p in pids if p != me and _is_engine(_cmdline(p), script)}
+    return sorted(p for p in found if _ppid(p) not in found)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop(script: str, timeout: float) -> dict:
+    pids = engines(script)
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed = [p for p in pids if _alive(p)]
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    return {"stopped": pids, "killed": killed}
+
+
+def _settle(path: str, limit: float = 5.0) -> None:
+    """Let the log tee drain what a dead engine wrote last: wait until the file stops growing."""
+    deadline, last = time.monotonic() + limit, -1
+    while time.monotonic() < deadline:
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return
+        if size == last:
+            return
+        last = size
+        time.sleep(0.5)
+
+
+def _tail(path: str, lines: int) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n") for line in f.readlines()[-lines:]]
+    except OSError as exc:
+        return [f"(cannot read {path}: {exc.strerror})"]
+
+
+def _startup_lines(path: str) -> dict:
+    out = {"kv_cache_line": None, "kv_cache_tokens": None, "max_concurrency_line": None, "max_concurrency": None}
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if m := KV_CACHE.search(line):
+                    out["kv_cache_line"], out["kv_cache_tokens"] = m.group(0), int(m.group(1).replace(",", ""))
+                elif m := CONCURRENCY.search(line):
+                    out["max_concurrency_line"], out["max_concurrency"] = m.group(0), float(m.group(2))
+    except OSError:
+        pass
+    return out
+
+
+def _health(url: str) -> tuple[bool, object]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200, resp.status
+    except (urllib.error.URLError, OSError) as exc:
+        return False, str(getattr(exc, "reason", exc))[:200]
+
+
+def status(script: str, url: str, log: str) -> dict:
+    pids = engines(script)
+    healthy, answer = _health(url) if pids else (False, None)
+    report = {"pids": pids, "pid": pids[0] if pids else None, "alive": bool(pids), "healthy": healthy,
+              "health": answer}
+    if healthy:
+        report.update(_startup_lines(log))
+    return report
+
+
+def wait(script: str, url: str, timeout: float, log: str, lines: int) -> dict:
+    start = time.monotonic()
+    report = {"healthy": False, "alive": False, "pid": None, "waited_s": 0.0, "health": None}
+    while True:
+        pids = engines(script)
+        report["pid"] = pids[0] if pids else None
+        report["alive"] = bool(pids)
+        if not pids and time.monotonic() - start > 5:
+            break  # the engine exited (a fresh `docker exec -d` gets 5 s to appear)
+        if pids:
+            report["healthy"], report["health"] = _health(url)
+        if report["healthy"] or time.monotonic() - start >= timeout:
+            break
+        time.sleep(1)
+    report["waited_s"] = round(time.monotonic() - start, 1)
+    if report["healthy"]:
+        report.update(_startup_lines(log))
+    else:
+        _settle(log)
+        report["log_tail"] = _tail(log, lines)
+    return report
+
+
+def _parser_files() -> list[str]:
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = next(iter(spec.submodule_search_locations))
+    return sorted(glob.glob(os.path.join(root, "**", "hy_v3*parser*.py"), recursive=True))
+
+
+def _reads_token_suffix(text: str) -> bool:
+    """True when the code (not a comment or docstring) uses token_suffix: a name, an attribute or a "key"."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Name) and n.id == "token_suffix") or (
+                isinstance(n, ast.Attribute) and n.attr == "token_suffix") or (
+                isinstance(n, ast.Constant) and n.value == "token_suffix"):
+            return True
+    return False
+
+
+def patch(suffix: str, check: bool) -> dict:
+    """`files`: what was found (or done); `after`: each file's state once patched, the same on every run."""
+    report = {"files": {}, "after": {}, "changed": False}
+    bare = re.compile(r"""(["'])<(/?)(""" + "|".join(HY_V3_TOKENS) + r""")>\1""")
+    for path in _parser_files():
+        with open(path) as f:
+            text = f.read()
+        if _reads_token_suffix(text):
+            report["files"][path] = report["after"][path] = "native"  # this vLLM reads tokenizer_config.json
+            continue
+        patched = bare.sub(lambda m: f"{m.group(1)}<{m.group(2)}{m.group(3)}{suffix}>{m.group(1)}", text)
+        if patched == text:
+            report["files"][path] = report["after"][path] = "patched" if suffix in text else "no bare tokens"
+            continue
+        report["files"][path] = "needs patch" if check else "patched now"
+        report["after"][path] = "patched"
+        report["changed"] = True
+        if not check:
+            tmp = f"{path}.hy3spark-tmp"
+            with open(tmp, "w") as f:
+                f.write(patched)
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+            os.replace(tmp, path)
+    return report
+
+
+def main() -> None:
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "status":
+        result = status(args[0], args[1], args[2])
+    elif cmd == "stop":
+        result = stop(args[0], float(args[1]))
+    elif cmd == "wait":
+        result = wait(args[0], args[1], float(args[2]), args[3], int(args[4]))
+    elif cmd == "patch":
+        result = patch(args[0], "--check" in args[1:])
+    else:
+        result = {"error": f"unknown command {cmd}"}
+    print(json.dumps(result))
+
+
+main()
