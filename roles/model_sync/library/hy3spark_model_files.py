@@ -102,17 +102,16 @@ def save_state(path, state):
     os.replace(tmp, path)
 
 
-def hash_file(path, size):
-    sha256 = hashlib.sha256()
-    sha1 = hashlib.sha1(b"blob %d\0" % size)  # git's blob id, as the hub publishes it for non-LFS files
+def hash_file(path, size, kind):
+    """The one hash the hub published for this file: sha256 (LFS) or git's blob sha1 (the others)."""
+    digest = hashlib.sha256() if kind == "sha256" else hashlib.sha1(b"blob %d\0" % size)
     with open(path, "rb") as fh:
         while True:
             chunk = fh.read(CHUNK)
             if not chunk:
                 break
-            sha256.update(chunk)
-            sha1.update(chunk)
-    return {"sha256": sha256.hexdigest(), "git_sha1": sha1.hexdigest()}
+            digest.update(chunk)
+    return {kind: digest.hexdigest()}
 
 
 def free_bytes(path):
@@ -166,17 +165,18 @@ def main():
             problems.append({"path": entry["path"], "problem": "size", "expected": entry["size"],
                              "actual": st.st_size})
             continue
-        if p["verify_hashes"] and (entry["sha256"] or entry["git_sha1"]):
+        kind = "sha256" if entry["sha256"] else "git_sha1" if entry["git_sha1"] else None
+        if p["verify_hashes"] and kind:
             stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             known = state.get(entry["path"])
-            if known and known["stamp"] == stamp:
+            if known and known["stamp"] == stamp and kind in known:
                 new_state[entry["path"]] = known
             else:
-                to_hash.append((entry, full, stamp))
+                to_hash.append((entry, full, stamp, kind))
     hashed = 0
     with ThreadPoolExecutor(max_workers=max(1, p["threads"])) as pool:
-        results = pool.map(lambda item: hash_file(item[1], item[2][0]), to_hash)
-        for (entry, _full, stamp), digest in zip(to_hash, results):
+        results = pool.map(lambda item: hash_file(item[1], item[2][0], item[3]), to_hash)
+        for (entry, _full, stamp, _kind), digest in zip(to_hash, results):
             new_state[entry["path"]] = {"stamp": stamp, **digest}
             hashed += stamp[0]
     for entry in files:
@@ -184,7 +184,7 @@ def main():
         if not got:
             continue
         for kind in ("sha256", "git_sha1"):
-            if entry[kind] and got[kind] != entry[kind]:
+            if entry[kind] and got.get(kind) != entry[kind]:
                 problems.append({"path": entry["path"], "problem": kind, "expected": entry[kind], "actual": got[kind]})
                 new_state.pop(entry["path"])
                 break
