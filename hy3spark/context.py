@@ -192,6 +192,8 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
         "cluster": spec.name,
         "profile": spec.profile,
         "spec_sha256": loaded.sha256,
+        # preflight re-hashes this file on the controller: an inventory rendered from an older spec is stale.
+        "spec_path": loaded.path,
         "paths": {
             "config_dir": CONFIG_DIR,
             "log_dir": LOG_DIR,

@@ -397,6 +397,7 @@ class Loaded:
     sha256: str
     warnings: list[str] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)  # the user's own fields, before the profile merge
+    path: str | None = None  # absolute path of the spec file; None for the embedded default
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -526,17 +527,24 @@ def load_spec(path: Path | None = None) -> Loaded:
     """Read, merge and validate a spec; `None` means the embedded default. Raises SpecError with every problem."""
     if path is None:
         source = f"<embedded {DEFAULT_SPEC_NAME}>"
-        text = (resources.files("hy3spark") / DEFAULT_SPEC_NAME).read_text()
+        raw = (resources.files("hy3spark") / DEFAULT_SPEC_NAME).read_bytes()
     else:
         source = str(path)
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise SpecError(source, [f"{source}: cannot read the spec: {exc.strerror}"]) from None
-    return parse_spec(text, source)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(source, [f"{source}: the spec is not UTF-8 text (byte {exc.start})"]) from None
+    loaded = parse_spec(text, source, sha256=hashlib.sha256(raw).hexdigest())
+    loaded.path = None if path is None else str(Path(path).resolve())
+    return loaded
 
 
-def parse_spec(text: str, source: str) -> Loaded:
+def parse_spec(text: str, source: str, sha256: str | None = None) -> Loaded:
+    """Validate spec text; `sha256` is of the file's bytes (what a staleness check hashes), else of the text."""
     data, lines = _compose_lines(text, source)
     if not isinstance(data, dict):
         raise SpecError(source, [f"{source}:1: the spec must be a YAML mapping (name:, profile:, head:, ...)"])
@@ -591,5 +599,5 @@ def parse_spec(text: str, source: str) -> Loaded:
     if spec.serving.open_endpoint and not spec.serving.host.is_loopback:
         warnings.append(f"{where(('serving', 'open_endpoint'))}serving.open_endpoint: the endpoint on "
                         f"{spec.serving.host}:{spec.serving.port} answers anyone who can reach it, without a key")
-    digest = hashlib.sha256(text.encode()).hexdigest()
+    digest = sha256 or hashlib.sha256(text.encode()).hexdigest()
     return Loaded(spec=spec, source=source, sha256=digest, warnings=warnings, raw=data)

@@ -25,6 +25,11 @@ def cases() -> dict[str, Path | None]:
     return found
 
 
+def portable(content: str) -> str:
+    """Golden files must not depend on where the checkout lives (the spec's absolute path is in the inventory)."""
+    return content.replace(str(REPO), "<repo>")
+
+
 def main() -> None:
     for name, spec in cases().items():
         target = GOLDEN / name
@@ -32,7 +37,7 @@ def main() -> None:
         for out in render_all(load_spec(spec)):
             file = target / out.path
             file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_text(out.content)
+            file.write_text(portable(out.content))
         print(f"wrote {target.relative_to(REPO)}")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from golden import GOLDEN, cases
+from golden import GOLDEN, cases, portable
 
 from hy3spark.render import render_all
 from hy3spark.spec import load_spec, parse_spec
@@ -24,7 +24,7 @@ def test_render_matches_golden(name: str) -> None:
     expected = sorted(p.relative_to(GOLDEN / name).as_posix() for p in (GOLDEN / name).rglob("*") if p.is_file())
     assert sorted(o.path for o in outputs) == expected, "rendered file set changed: run tests/golden.py and review"
     for out in outputs:
-        assert out.content == (GOLDEN / name / out.path).read_text(), f"{out.path} differs: run tests/golden.py"
+        assert portable(out.content) == (GOLDEN / name / out.path).read_text(), f"{out.path} differs: tests/golden.py"
 
 
 def _netplan() -> str:
