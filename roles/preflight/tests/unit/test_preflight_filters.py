@@ -372,3 +372,18 @@ def test_table_has_every_row_and_a_summary():
 def test_filters_are_registered():
     names = pf.FilterModule().filters()
     assert {"preflight_fabric", "preflight_table", "preflight_collect", "preflight_failures"} <= set(names)
+
+
+def test_network_pending_turns_only_network_failures_into_warnings() -> None:
+    rows = [
+        pf.row("a", "address", "fail", "10.0.0.1/24", "no address"),
+        pf.row("a", "ping", "fail", "reply", "no reply", target="b"),
+        pf.row("a", "interface", "fail", "up", "absent"),
+        pf.row("a", "docker", "fail", "usable", "not installed"),
+        pf.row("a", "mtu", "pass", "9000", "9000"),
+    ]
+    pending = pf.network_pending(rows, True)
+    assert [r["status"] for r in pending] == ["warn", "warn", "fail", "fail", "pass"]
+    assert pending[0]["found"] == "no address (the network role configures this next)"
+    assert pf.failures(pending) == ["a/interface", "a/docker"]
+    assert pf.network_pending(rows, False) == rows
