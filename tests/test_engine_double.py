@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,36 +242,70 @@ def test_model_missing_everywhere_fails_like_vllm_offline(cluster: Cluster) -> N
     assert "ValueError: Invalid repository ID or local directory specified: 'kodelow/not-synced'" in result.stderr
 
 
-def test_unpatched_hy_v3_parsers_fail_chat_with_the_opensource_tokenizer(cluster: Cluster) -> None:
-    """Hy3's tokenizer (<think:opensource>) with vLLM 0.23's bare-token parsers: chat fails, completions work."""
-    port = "8899"
-    docker(
-        "exec",
-        "-d",
-        HEAD,
-        "sh",
-        "-c",
+PARSERS = "/opt/vllm/lib/python3.11/site-packages/vllm/{}/hy_v3_{}_parser.py"
+TOOL_PARSER, REASONING_PARSER = PARSERS.format("tool_parsers", "tool"), PARSERS.format("reasoning", "reasoning")
+# What the Hy3 recipe (and vllm_serve) does to vLLM 0.23's parsers: "<think>" -> "<think:opensource>", ...
+PATCH = r's/"<(\/?)(think|tool_calls|tool_call|tool_sep|arg_key|arg_value)>"/"<\1\2:opensource>"/g'
+TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@contextmanager
+def serving_suffixed_model(port: str) -> Iterator[str]:
+    """Hy3's released tokenizer (<think:opensource> ...) served on one node (TP 1, no Ray) with the hy_v3 parsers."""
+    log = f"/tmp/suffixed-{port}.log"
+    command = (
         f"exec vllm serve {HY3_SUFFIXED} --served-model-name hy3 --port {port} --max-model-len 4096 "
         "--kv-cache-memory-bytes 4G --reasoning-parser hy_v3 --tool-call-parser hy_v3 --enable-auto-tool-choice "
-        "--trust-remote-code > /tmp/suffixed.log 2>&1",
+        f"--trust-remote-code > {log} 2>&1"
     )
+    docker("exec", "-d", HEAD, "sh", "-c", command)
     url = f"http://{HEAD_IP}:{port}"
     try:
-        wait_healthy(url, "/tmp/suffixed.log")
-        status, body = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        wait_healthy(url, log)
+        yield url
+    finally:
+        docker("exec", HEAD, "pkill", "-f", f"port {port}", check=False)
+
+
+def chat(url: str, **extra: Any) -> tuple[int, Any]:
+    return post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def test_unpatched_hy_v3_parsers_fail_chat_with_the_opensource_tokenizer(cluster: Cluster) -> None:
+    """vLLM 0.23's bare-token parsers, at vLLM's paths, cannot find Hy3's tokens: chat fails, completions work."""
+    for path in (TOOL_PARSER, REASONING_PARSER):
+        source = docker("exec", HEAD, "cat", path).stdout
+        assert "token_suffix" not in source
+    assert (
+        '        self.tool_calls_start_token: str = "<tool_calls>"\n' in docker("exec", HEAD, "cat", TOOL_PARSER).stdout
+    )
+    assert '        return "<think>"\n' in docker("exec", HEAD, "cat", REASONING_PARSER).stdout
+    with serving_suffixed_model("8899") as url:
+        status, body = chat(url)
         assert status == 400
         assert body["error"]["message"] == (
             "HYV3ReasoningParser reasoning parser could not locate think start/end tokens in the tokenizer!"
         )
         status, body = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
-        assert status == 200 and body["choices"][0]["text"]
-        where = "import vllm.tool_parsers.hy_v3_tool_parser as m; print(m.__file__)"
-        installed = docker("exec", HEAD, "python", "-c", where).stdout.strip()
-        assert installed == "/opt/vllm/lib/python3.11/site-packages/vllm/tool_parsers/hy_v3_tool_parser.py"
-        source = docker("exec", HEAD, "cat", installed).stdout
-        assert 'self.tool_calls_start_token: str = "<tool_calls>"' in source and "token_suffix" not in source
+        assert status == 200 and body["choices"][0]["text"].startswith(" hy3spark")
+
+
+def test_patched_hy_v3_parsers_serve_chat_and_tools(cluster: Cluster) -> None:
+    for path in (TOOL_PARSER, REASONING_PARSER):
+        docker("exec", HEAD, "cp", "-p", path, f"{path}.orig")
+        docker("exec", HEAD, "sed", "-i", "-E", PATCH, path)
+    try:
+        with serving_suffixed_model("8898") as url:
+            status, body = chat(url, chat_template_kwargs={"reasoning_effort": "high"})
+            assert status == 200, body
+            message = body["choices"][0]["message"]
+            assert message["reasoning"].startswith("The request asks about")
+            assert message["content"].startswith(" hy3spark engine double says:")
+            status, body = chat(url, tools=TOOLS)
+            assert status == 200, body
     finally:
-        docker("exec", HEAD, "pkill", "-f", f"port {port}", check=False)
+        for path in (TOOL_PARSER, REASONING_PARSER):  # later tests serve a bare-token tokenizer again
+            docker("exec", HEAD, "mv", f"{path}.orig", path)
 
 
 def request(url: str, path: str, data: dict[str, Any] | None = None, key: str | None = API_KEY) -> tuple[int, bytes]:
