@@ -190,6 +190,98 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         remove_leftovers()
 
 
+# --- without Docker: the double's parser and KV arithmetic against hy3spark's own code --------------------------
+
+
+@pytest.fixture(scope="module")
+def double_src() -> Iterator[None]:
+    """Import the double's `vllm` package from its source tree (no real vLLM is installed next to hy3spark)."""
+    sys.path.insert(0, str(DOUBLE / "src"))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(DOUBLE / "src"))
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yml")))
+def test_every_rendered_command_is_accepted(double_src: None, example: str) -> None:
+    from vllm.double import args as cli_args
+
+    argv = VllmEngine(load_spec(REPO / "examples" / example).spec).serve_argv()
+    parsed = cli_args.build_parser().parse_args(cli_args.preprocess(argv[1:]))
+    assert parsed.model_tag == argv[2]
+    assert parsed.distributed_executor_backend == "ray"
+    assert parsed.tensor_parallel_size == int(argv[argv.index("--tensor-parallel-size") + 1])
+
+
+@pytest.mark.parametrize(
+    ("layers", "kv_heads", "weights", "mtp", "tp", "pp", "kv_dtype", "util", "max_len"),
+    [
+        (80, 8, 181_000_000_000, 1, 2, 1, "fp8_e4m3", 0.90, 131072),  # Hy3 on two Sparks (the reference)
+        (80, 8, 181_000_000_000, 1, 1, 2, "fp8_e4m3", 0.90, 65536),  # the same split by pipeline
+        (126, 8, 203_000_000_000, 0, 2, 1, "fp8", 0.92, 32768),  # Llama-3.1-405B AWQ
+        (64, 8, 65_000_000_000, 0, 1, 1, "auto", 0.85, 40960),  # Qwen3-32B on one node, bf16 KV
+        (81, 8, 90_000_000_000, 0, 2, 2, "auto", 0.90, 16384),  # odd layers over 2 PP stages
+    ],
+)
+def test_kv_lines_match_the_capacity_planner(
+    double_src: None, layers: int, kv_heads: int, weights: int, mtp: int, tp: int, pp: int, kv_dtype: str,
+    util: float, max_len: int,
+) -> None:  # fmt: skip
+    from vllm.double import kv
+
+    config = {"num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": kv_heads,
+              "head_dim": 128, "num_nextn_predict_layers": mtp, "torch_dtype": "bfloat16"}  # fmt: skip
+    speculative = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
+    sizing = kv.Sizing(
+        shape=kv.Shape.from_config(config, "auto", speculative), tp=tp, pp=pp, kv_cache_dtype=kv_dtype,
+        block_size=16, gpu_memory_utilization=util, max_model_len=max_len, weight_bytes=weights,
+        kv_cache_memory_bytes=None,
+    )  # fmt: skip
+    double = kv.capacity(sizing, [kv.available_bytes(sizing)] * (tp * pp))
+    plan = capacity.plan(
+        capacity.ModelShape(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=128,
+                            weight_bytes=weights, mtp_layers=mtp),
+        capacity.ServeConfig(tensor_parallel=tp, pipeline_parallel=pp, max_model_len=max_len, max_num_seqs=4,
+                             kv_cache_dtype=kv_dtype),
+        capacity.Budget(gpu_memory_utilization=util, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
+                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
+    )  # fmt: skip
+    assert (double.num_blocks, f"GPU KV cache size: {double.tokens:,} tokens") == (
+        plan.num_blocks,
+        plan.kv_cache_size_line,
+    )
+    assert f"Maximum concurrency for {max_len:,} tokens per request: {double.concurrency:.2f}x" == (
+        plan.max_concurrency_line
+    )
+
+
+def test_a_request_that_cannot_fit_fails_in_both(double_src: None) -> None:
+    """Llama-405B with 230 GB of weights on two Sparks: one 32k request does not fit; vLLM refuses to start."""
+    from vllm.double import kv
+
+    config = {"num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8, "head_dim": 128}
+    sizing = kv.Sizing(
+        shape=kv.Shape.from_config(config, "auto", None), tp=2, pp=1, kv_cache_dtype="fp8", block_size=16,
+        gpu_memory_utilization=0.92, max_model_len=32768, weight_bytes=230_000_000_000, kv_cache_memory_bytes=None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"the estimated maximum model length is 15408\."):
+        kv.capacity(sizing, [kv.available_bytes(sizing)] * 2)
+    plan = capacity.plan(
+        capacity.ModelShape(num_hidden_layers=126, num_key_value_heads=8, head_dim=128, weight_bytes=230_000_000_000),
+        capacity.ServeConfig(tensor_parallel=2, max_model_len=32768, max_num_seqs=4, kv_cache_dtype="fp8"),
+        capacity.Budget(gpu_memory_utilization=0.92, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
+                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
+    )  # fmt: skip
+    assert not plan.ok
+    assert any("15,408" in p.message or "15408" in p.message for p in plan.problems), plan.problems
+
+
+# --- in Docker: the serving image on a two-node Ray cluster ----------------------------------------------------
+
+
 def test_version_says_test_double(cluster: Cluster) -> None:
     out = docker("exec", HEAD, "vllm", "--version").stdout.strip()
     assert out == "0.23.0+testdouble"
