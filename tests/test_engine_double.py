@@ -258,6 +258,32 @@ def test_kv_lines_match_the_capacity_planner(
     )
 
 
+@pytest.mark.parametrize(("tp", "pp", "max_len"), [(1, 1, 131072), (2, 1, 131072), (1, 2, 65536)])
+def test_sliding_window_groups_match_the_capacity_planner(double_src: None, tp: int, pp: int, max_len: int) -> None:
+    """gpt-oss-120b: 36 layers alternating sliding (window 128) and full attention, 8 KV heads of 64."""
+    from vllm.double import kv
+
+    config = {"num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+              "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18}  # fmt: skip
+    sizing = kv.Sizing(
+        shape=kv.Shape.from_config(config, "auto", None), tp=tp, pp=pp, kv_cache_dtype="auto", block_size=16,
+        gpu_memory_utilization=0.80, max_model_len=max_len, weight_bytes=65_000_000_000, kv_cache_memory_bytes=None,
+    )  # fmt: skip
+    double = kv.capacity(sizing, [kv.available_bytes(sizing)] * (tp * pp))
+    plan = capacity.plan(
+        capacity.ModelShape(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, weight_bytes=65_000_000_000,
+                            sliding_window=128, sliding_window_layers=18),
+        capacity.ServeConfig(tensor_parallel=tp, pipeline_parallel=pp, max_model_len=max_len, max_num_seqs=8),
+        capacity.Budget(gpu_memory_utilization=0.80, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
+                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
+    )  # fmt: skip
+    assert len(sizing.groups) == len(plan.groups) == 2
+    assert f"GPU KV cache size: {double.tokens:,} tokens" == plan.kv_cache_size_line
+    assert f"Maximum concurrency for {max_len:,} tokens per request: {double.concurrency:.2f}x" == (
+        plan.max_concurrency_line
+    )
+
+
 def test_a_request_that_cannot_fit_fails_in_both(double_src: None) -> None:
     """Llama-405B with 230 GB of weights on two Sparks: one 32k request does not fit; vLLM refuses to start."""
     from vllm.double import kv

@@ -7,7 +7,8 @@
 
 huggingface_hub's ``snapshot_download(repo, revision=<commit or "main">, local_files_only=True)`` resolves it, as
 vLLM does in offline mode. The shapes are real (preset ``hy3``: Hy3's 80 layers + 1 MTP layer, 8 KV heads,
-head_dim 128; ``small``: a 4-layer toy), the weights are a few bytes per shard, and the safetensors index carries
+head_dim 128; ``gpt-oss``: gpt-oss-120b's 36 layers alternating sliding-window and full attention; ``small``: a
+4-layer toy), the weights are a few bytes per shard, and the safetensors index carries
 the real checkpoint size (``--total-size``, default 181 GB for hy3) so the double logs Hy3's real KV cache numbers.
 The tokenizer config carries Hy3's suffixed special tokens (``<tool_calls:opensource>`` ...) and ``token_suffix``
 unless ``--bare-tokens`` is given.
@@ -43,6 +44,20 @@ PRESETS = {
         "torch_dtype": "bfloat16",
         "vocab_size": 120832,
     },
+    "gpt-oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 201088,
+    },
     "small": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -56,7 +71,7 @@ PRESETS = {
         "vocab_size": 32000,
     },
 }
-DEFAULT_TOTAL_SIZE = {"hy3": 181_000_000_000, "small": 100_000_000}
+DEFAULT_TOTAL_SIZE = {"hy3": 181_000_000_000, "gpt-oss": 65_000_000_000, "small": 100_000_000}
 SPECIAL = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
 
 

@@ -6,10 +6,15 @@ Per rank (every TP x PP rank, each on its own fake GPU)::
     available  = requested - weights_per_rank - overhead         # gpu_worker.determine_available_memory
                (or --kv-cache-memory-bytes, which skips profiling)
     page       = block_size * max(1, kv_heads // TP) * 2 * head_dim * kv_bytes
-    num_blocks = available // page // layers_on_rank             # one KV cache group: full attention only
+    num_blocks = available // page // group_size                 # group_size: layers of the rank's largest group
     num_blocks = min over ranks
-    concurrency = num_blocks / ceil(max_model_len / block_size)  # "Maximum concurrency ... %.2fx"
+    concurrency = num_blocks / sum over groups of blocks_per_request   # "Maximum concurrency ... %.2fx"
     tokens      = int(concurrency * max_model_len)               # "GPU KV cache size: %s tokens"
+
+Layers are grouped as vLLM's hybrid KV cache manager does: one group when every layer is full attention; with
+sliding-window layers (config.json ``layer_types``, e.g. gpt-oss) each type is split into groups of equal size, dealt
+round-robin. A request needs ``ceil(L / block)`` blocks in a full group and ``ceil(min(window - 1 +
+max_num_batched_tokens, L) / block) + 1`` in a sliding one.
 
 The fake GPU comes from the environment (vLLM_* variables are copied from the head to the workers, as vLLM does):
 
@@ -20,8 +25,7 @@ The fake GPU comes from the environment (vLLM_* variables are copied from the he
 
 Weights per rank are the checkpoint's ``total_size`` (model.safetensors.index.json) / (TP x PP), so a few-kilobyte
 synthetic model can carry a 181 GB index and produce Hy3's real numbers. MTP draft layers (``--speculative-config``
-method ``mtp``: ``num_nextn_predict_layers``) are full decoder layers on the last PP stage. Sliding-window layers are
-treated as full attention (a documented simplification).
+method ``mtp``: ``num_nextn_predict_layers``) are full decoder layers on the last PP stage.
 """
 
 from __future__ import annotations
@@ -78,18 +82,32 @@ class Shape:
     head_dim: int
     dtype_bytes: int
     draft_layers: int
+    sliding: tuple[bool, ...] = ()  # per hidden layer: a sliding-window layer (empty: all full attention)
+    sliding_window: int | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        """Attention type of every KV layer: hidden layers, then the draft layers (full attention)."""
+        hidden = ["sliding" if (self.sliding and self.sliding[i]) else "full" for i in range(self.layers)]
+        return hidden + ["full"] * self.draft_layers
 
     @classmethod
     def from_config(cls, config: dict[str, Any], dtype_flag: str, speculative: dict[str, Any] | None) -> Shape:
         text = config.get("text_config") or config
         heads = int(text.get("num_attention_heads") or 1)
         head_dim = text.get("head_dim") or int(text.get("hidden_size", 128 * heads)) // heads
+        layers = int(text.get("num_hidden_layers") or 1)
+        window = text.get("sliding_window")
+        types = text.get("layer_types") or []
+        sliding = tuple(str(t) == "sliding_attention" for t in types[:layers]) if window and types else ()
         return cls(
-            layers=int(text.get("num_hidden_layers") or 1),
+            layers=layers,
             kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             dtype_bytes=model_dtype_bytes(text, dtype_flag),
             draft_layers=draft_layers(text, speculative),
+            sliding=sliding if any(sliding) else (),
+            sliding_window=int(window) if window and any(sliding) else None,
         )
 
 
@@ -106,6 +124,7 @@ class Sizing:
     max_model_len: int
     weight_bytes: int
     kv_cache_memory_bytes: int | None
+    max_num_batched_tokens: int = 8192
 
     @property
     def kv_bytes(self) -> int:
@@ -120,13 +139,51 @@ class Sizing:
         heads = max(1, self.shape.kv_heads // self.tp)
         return self.block_size * heads * 2 * self.shape.head_dim * self.kv_bytes
 
-    def stage_layers(self, pp_rank: int) -> int:
-        """Layers on a PP stage: vLLM's get_pp_indices gives the remainder to the stages before the last."""
+    def stage(self, pp_rank: int) -> set[int]:
+        """KV layer indices on a PP stage: vLLM's get_pp_indices gives the remainder to the stages before the last;
+        the draft layers sit on the last stage."""
         per_stage = [self.shape.layers // self.pp] * self.pp
         for i in range(2, self.shape.layers % self.pp + 2):
             per_stage[-i] += 1
-        layers = per_stage[pp_rank]
-        return layers + (self.shape.draft_layers if pp_rank == self.pp - 1 else 0)
+        start = sum(per_stage[:pp_rank])
+        layers = set(range(start, start + per_stage[pp_rank]))
+        if pp_rank == self.pp - 1:
+            layers |= set(range(self.shape.layers, self.shape.layers + self.shape.draft_layers))
+        return layers
+
+    @property
+    def groups(self) -> list[tuple[str, tuple[int, ...]]]:
+        """vLLM's KV cache groups for layers of one page size (_get_kv_cache_groups_uniform_page_size)."""
+        by_kind: dict[str, list[int]] = {}
+        for index, kind in enumerate(self.shape.kinds):
+            by_kind.setdefault(kind, []).append(index)
+        if len(by_kind) == 1:
+            kind, layers = next(iter(by_kind.items()))
+            return [(kind, tuple(layers))]
+        smallest = min(len(layers) for layers in by_kind.values())
+        largest = max(len(layers) for layers in by_kind.values())
+        group_size = largest if largest < smallest * 1.5 else smallest
+        groups = []
+        for kind, layers in by_kind.items():
+            count = math.ceil(len(layers) / group_size)
+            groups += [(kind, tuple(layers[i::count])) for i in range(count)]
+        return groups
+
+    def group_size(self, pp_rank: int) -> int:
+        stage = self.stage(pp_rank)
+        return max(len(stage.intersection(layers)) for _kind, layers in self.groups)
+
+    def request_blocks(self, length: int) -> int:
+        """Blocks one request of `length` tokens needs, summed over the groups."""
+        total = 0
+        for kind, _layers in self.groups:
+            if kind == "full":
+                total += math.ceil(length / self.block_size)
+            else:
+                assert self.shape.sliding_window is not None
+                tokens = min(self.shape.sliding_window - 1 + self.max_num_batched_tokens, length)
+                total += math.ceil(tokens / self.block_size) + 1
+        return total
 
     @property
     def weights_per_rank(self) -> int:
@@ -134,7 +191,20 @@ class Sizing:
 
     @property
     def blocks_per_request(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
+        return self.request_blocks(self.max_model_len)
+
+    def longest_within(self, blocks: int) -> int:
+        """The longest request (<= max_model_len) that fits in `blocks` blocks: vLLM's estimated max model length."""
+        if self.request_blocks(1) > blocks:
+            return 0
+        low, high, best = 1, self.max_model_len, 1
+        while low <= high:
+            mid = (low + high) // 2
+            if self.request_blocks(mid) <= blocks:
+                best, low = mid, mid + 1
+            else:
+                high = mid - 1
+        return best
 
 
 def requested_bytes(total: int, utilization: float) -> int:
@@ -172,23 +242,22 @@ def capacity(sizing: Sizing, available_per_rank: list[int]) -> Capacity:
     """num_blocks as the minimum over ranks; raises vLLM's ValueErrors when the cache cannot hold one request."""
     rows = []
     for rank, available in enumerate(available_per_rank):
-        layers = sizing.stage_layers(rank // sizing.tp)
-        rows.append((available, layers, max(available // sizing.page_bytes // layers, 0)))
+        group_size = sizing.group_size(rank // sizing.tp)
+        rows.append((available, group_size, max(available // sizing.page_bytes // group_size, 0)))
     if min(row[2] for row in rows) <= 0:
         raise ValueError(
             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
             "the engine."
         )
-    for available, layers, _blocks in rows:
-        needed = layers * sizing.page_bytes * sizing.blocks_per_request
+    for available, group_size, blocks in rows:
+        needed = group_size * sizing.page_bytes * sizing.blocks_per_request
         if needed > available:
-            estimated = available // (layers * sizing.page_bytes) * sizing.block_size
             raise ValueError(
                 f"To serve at least one request with the model's max seq len ({sizing.max_model_len}), "
                 f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
                 f"({available / GIB:.2f} GiB). Based on the available memory, the estimated maximum model length "
-                f"is {estimated}. Try increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
-                "initializing the engine."
+                f"is {sizing.longest_within(blocks)}. Try increasing `gpu_memory_utilization` or decreasing "
+                "`max_model_len` when initializing the engine."
             )
     num_blocks = min(row[2] for row in rows)
     concurrency = num_blocks / sizing.blocks_per_request

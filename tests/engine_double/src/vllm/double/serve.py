@@ -193,6 +193,7 @@ def start_engine(args: argparse.Namespace, model: Model, max_len: int, backend: 
         max_model_len=max_len,
         weight_bytes=model.weight_bytes(),
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
     )
     executor.call("log_model_loading", sizing.weights_per_rank, time.monotonic() - load_started)
     available = executor.call("determine_available_memory", sizing)
