@@ -22,7 +22,7 @@ options:
   expected: {description: The head's result (commit, files, meta_files); omit on the head., type: dict}
   verify_hashes: {description: Compare hashes, not only presence and size., type: bool, default: true}
   rehash: {description: Hash every file again, ignoring the remembered hashes., type: bool, default: false}
-  state_file: {description: Where the remembered hashes are kept (JSON)., type: path}
+  state_file: {description: Where the remembered hashes are kept (JSON); its directory is created., type: path}
   threads: {description: Files hashed in parallel., type: int, default: 4}
   fail_on_problems: {description: Fail, naming every bad file, when anything is missing or wrong., type: bool,
                      default: false}
@@ -201,8 +201,11 @@ def main():
     need += [m["path"] for m in meta_problems]
     problems += meta_problems
 
-    if p["state_file"] and not module.check_mode and new_state != state:
-        save_state(p["state_file"], new_state)
+    if p["state_file"] and not module.check_mode:
+        if new_state != state:
+            save_state(p["state_file"], new_state)
+        else:
+            os.makedirs(os.path.dirname(p["state_file"]), mode=0o755, exist_ok=True)
 
     sizes = {snapshot_rel + "/" + f["path"]: f["size"] or 0 for f in files}
     need_bytes = sum(sizes.get(n, 0) for n in need)
