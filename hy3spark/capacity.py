@@ -492,6 +492,8 @@ def plan_from_available(shape: ModelShape, serve: ServeConfig, kv_available_byte
 # vLLM prefixes each process's lines with "(EngineCore_DP0 pid=412) " or, for Ray workers,
 # "(RayWorkerWrapper pid=233, ip=192.168.100.11) "; a single-process run has no prefix.
 _PROCESS_TAG = re.compile(r"^\((?P<tag>[^)]*)\)")
+# Ray colours the "(RayWorkerWrapper pid=..., ip=...)" tag it puts before each forwarded worker line.
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # gpu_model_runner: "Model loading took %s GiB memory and %.6f seconds" (format_gib); older: "%.4f GiB and".
 _WEIGHTS_LINE = re.compile(r"Model loading took (?P<gib>[\d.]+) GiB(?: memory)? and")
 # gpu_worker.determine_available_memory: "Available KV cache memory: %s GiB" (older "%.2f GiB").
@@ -531,7 +533,7 @@ class KvLines:
 
 def _by_process(pattern: re.Pattern[str], log_text: str) -> dict[str, re.Match[str]]:
     found: dict[str, re.Match[str]] = {}
-    for line in log_text.splitlines():
+    for line in _ANSI.sub("", log_text).splitlines():
         if match := pattern.search(line):
             tag = _PROCESS_TAG.match(line)
             # The last occurrence wins: a restarted engine logs again further down.

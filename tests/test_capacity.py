@@ -418,3 +418,14 @@ def test_parse_kv_lines_reads_the_one_line_form() -> None:
         "INFO GPU KV cache size: 1,553,140 tokens, Maximum concurrency for 1,000,000 tokens per request: 1.55x"
     )
     assert (lines.kv_cache_tokens, lines.max_model_len, lines.max_concurrency) == (1_553_140, 1_000_000, 1.55)
+
+
+def test_calibrate_reads_ray_coloured_worker_tags() -> None:
+    """Ray forwards worker output to the driver with the process tag in colour: ESC[36m(RayWorkerWrapper ...)ESC[0m."""
+    coloured = "\n".join(
+        f"\x1b[36m{line[:line.index(')') + 1]}\x1b[0m{line[line.index(')') + 1:]}" if line.startswith("(RayWorker")
+        else line
+        for line in _SYNTHETIC_LOG.splitlines()
+    )
+    assert "\x1b[36m(RayWorkerWrapper" in coloured
+    assert calibrate_overhead(coloured) == calibrate_overhead(_SYNTHETIC_LOG)
