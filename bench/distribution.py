@@ -261,7 +261,9 @@ def main() -> int:
     finally:
         if not args.keep:
             stop_nodes()
-        shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"bench: kept {HEAD}, {WORKER} and the inventory in {work}", file=sys.stderr)
 
     cold = results["cold"]
     mb = results["model_bytes"] / 1e6
