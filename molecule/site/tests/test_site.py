@@ -1,0 +1,311 @@
+"""site scenario: what an ops engineer relies on after `site.yml`, then the faults they will meet, then the way back.
+
+Converge ran the deployment on two dnodes, idempotence ran it again (changed=0) and check mode once more. The tests
+run in file order: first the serving cluster as converge left it, then each fault case (a broken run must fail
+with a message that names the cause, and the next clean run must recover), then teardown.yml.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import testinfra
+
+SCENARIO = Path(__file__).resolve().parent.parent
+REPO = SCENARIO.parent.parent
+INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
+HEAD, WORKER = "site-head", "site-worker"
+NODES = (HEAD, WORKER)
+FABRIC_IP = {HEAD: "10.95.0.11", WORKER: "10.95.0.12"}
+CONTAINER = {HEAD: "hy3-head", WORKER: "hy3-worker"}
+KEY_ENV = "HY3SPARK_SITE_API_KEY"
+API_KEY = os.environ.get(KEY_ENV, "")
+SERVED = "hy3"
+RENDERED = SCENARIO / ".rendered"
+RUN_FILE = "/var/lib/hy3spark/serve.json"
+SERVE_LOG = "/var/log/hy3spark/serve.log"
+MODEL_SNAPSHOT = ("/var/lib/hy3spark/hub/models--kodelow--Hy3-NVFP4-W4A16/snapshots/"
+                  "5173a1f0c0ffee5173a1f0c0ffee5173a1f0c0ff")
+
+RAY_NODES = (
+    "import json, ray\n"
+    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
+    "alive = [n for n in ray.nodes() if n['Alive']]\n"
+    "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
+)
+
+
+def node(name: str) -> testinfra.host.Host:
+    return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
+
+
+def inspect(name: str) -> dict:
+    return json.loads(node(name).check_output(f"docker inspect {CONTAINER[name]}"))[0]
+
+
+def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, dict]:
+    """Call the endpoint from the head node (loopback), as the role's own readiness check does."""
+    code = (
+        "import json, sys, urllib.request, urllib.error\n"
+        "auth = {'Authorization': 'Bearer ' + sys.argv[3]} if sys.argv[3] else {}\n"
+        "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None,"
+        " headers={'Content-Type': 'application/json', **auth})\n"
+        "try:\n"
+        "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.code); print(e.read().decode() or '{}')\n"
+    )
+    out = node(HEAD).run("python3 -c %s %s %s %s", code, f"http://127.0.0.1:8888{path}",
+                         json.dumps(body) if body else "", key or "")
+    assert out.rc == 0, out.stderr
+    status, _, text = out.stdout.partition("\n")
+    return int(status), json.loads(text or "{}")
+
+
+def run_record() -> dict:
+    return json.loads(node(HEAD).check_output(f"cat {RUN_FILE}"))
+
+
+def engine_pids() -> list[int]:
+    """`vllm serve` processes in the head container (its own PID namespace, where the role records the PID)."""
+    code = (
+        "import os\n"
+        "for p in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+        "    try: argv = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\\0')\n"
+        "    except OSError: continue\n"
+        "    if any(os.path.basename(a) == b'vllm' and argv[i + 1:i + 2] == [b'serve'] for i, a in enumerate(argv)):\n"
+        "        print(p)\n"
+    )
+    return [int(p) for p in node(HEAD).check_output("docker exec %s python3 -c %s", CONTAINER[HEAD], code).split()]
+
+
+def playbook(*args: str) -> subprocess.CompletedProcess:
+    """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env)."""
+    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+
+def recap_changed(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.M)}
+
+
+# --- the serving cluster, as converge and idempotence left it -------------------------------------------------------
+
+
+def test_ray_reports_two_nodes_and_two_gpus() -> None:
+    out = node(HEAD).check_output("docker exec %s python3 -c %s", CONTAINER[HEAD], RAY_NODES)
+    nodes = json.loads(out.strip().splitlines()[-1])
+    assert sorted(ip for ip, _ in nodes) == sorted(FABRIC_IP.values())
+    assert sum(gpus for _, gpus in nodes) == 2.0
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_ray_container_runs_the_rendered_definition(name: str) -> None:
+    info = inspect(name)
+    host = info["HostConfig"]
+    rendered = json.loads((RENDERED / "files" / name / "container.json").read_text())
+    assert info["State"]["Running"]
+    assert info["Config"]["Cmd"] == rendered["command"]
+    assert host["NetworkMode"] == "host" and host["IpcMode"] == "host"
+    # The spec renders memlock -1 for the Sparks; this machine's hard limit is 8 MiB, which converge.yml passes
+    # through the roles' ulimits inputs instead (see there). The stack limit is the rendered one.
+    assert rendered["ulimits"] == ["memlock:-1:-1", "stack:67108864:67108864"]
+    assert {(u["Name"], u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {
+        ("memlock", 8388608, 8388608), ("stack", 67108864, 67108864)}
+    assert sorted(re.sub(r":rw$", "", b) for b in host["Binds"]) == sorted(rendered["volumes"])
+    assert info["Config"]["Labels"]["io.hy3spark.cluster"] == "site-test"
+    assert not host.get("DeviceRequests"), "container.gpus is false in the test spec: no GPU request"
+    assert not host.get("Devices"), "no /dev/infiniband on the test nodes: nothing passed in"
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_each_container_has_its_own_vllm_host_ip(name: str) -> None:
+    env = dict(e.split("=", 1) for e in inspect(name)["Config"]["Env"])
+    assert env["VLLM_HOST_IP"] == FABRIC_IP[name]
+    assert env["MASTER_ADDR"] == FABRIC_IP[HEAD]
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1"
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_node_env_file_is_the_render_byte_for_byte(name: str) -> None:
+    f = node(name).file("/etc/hy3spark/node.env")
+    assert f.mode == 0o600 and f.user == "root"
+    assert f.content_string == (RENDERED / "files" / name / "etc/hy3spark/node.env").read_text()
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_ray_non_carry_over_list_is_on_every_node(name: str) -> None:
+    f = node(name).file("/etc/hy3spark/vllm/ray_non_carry_over_env_vars.json")
+    rendered = RENDERED / "files" / HEAD / "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json"
+    assert f.content_string == rendered.read_text()
+    assert {"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES"} <= set(
+        json.loads(f.content_string))
+
+
+def test_serve_script_and_secrets_file() -> None:
+    script = node(HEAD).file("/etc/hy3spark/serve.sh")
+    assert script.mode == 0o755
+    assert script.content_string == (RENDERED / "files" / HEAD / "etc/hy3spark/serve.sh").read_text()
+    assert "--distributed-executor-backend ray" in script.content_string
+    secrets = node(HEAD).file("/etc/hy3spark/secrets.env")
+    assert secrets.mode == 0o600 and secrets.user == "root"
+    assert f"VLLM_API_KEY={API_KEY}" in secrets.content_string.splitlines()
+
+
+def test_models_lists_the_served_name() -> None:
+    status, body = api("/v1/models")
+    assert status == 200
+    assert [m["id"] for m in body["data"]] == [SERVED]
+
+
+def test_endpoint_refuses_requests_without_the_key() -> None:
+    status, _ = api("/v1/models", key="")
+    assert status == 401
+
+
+def test_completion_returns_text() -> None:
+    status, body = api("/v1/completions", {"model": SERVED, "prompt": "Hello", "max_tokens": 8})
+    assert status == 200
+    assert body["choices"][0]["text"].strip()
+
+
+def test_chat_works_because_the_hy_v3_parsers_know_the_suffixed_tokens() -> None:
+    """Unpatched vLLM 0.23 parsers answer every chat request with 400 on Hy3's `:opensource` tokenizer."""
+    status, body = api("/v1/chat/completions",
+                       {"model": SERVED, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"]
+
+
+def test_each_rank_kept_its_own_node_settings() -> None:
+    """The engine copies the head's NCCL/GLOO/VLLM_* env to the Ray workers unless ray_non_carry_over_env_vars.json
+    lists them: the worker's rank must still see its own VLLM_HOST_IP (test-double endpoint /double/workers)."""
+    status, body = api("/double/workers")
+    assert status == 200, body
+    ranks = body["workers"]
+    assert {r["hostname"]: r["vllm_host_ip"] for r in ranks} == FABRIC_IP
+    assert {r["node_ip"]: r["vllm_host_ip"] for r in ranks} == {ip: ip for ip in FABRIC_IP.values()}
+    # Each rank loaded the model on its own node, at the same path (model_sync's copy on the worker).
+    assert {r["model_path"] for r in ranks} == {MODEL_SNAPSHOT}
+
+
+def test_engine_output_reaches_docker_logs_and_the_serve_log() -> None:
+    logs = node(HEAD).run(f"docker logs {CONTAINER[HEAD]}")
+    both = logs.stdout + logs.stderr
+    assert "Application startup complete." in both
+    assert "Application startup complete." in node(HEAD).file(SERVE_LOG).content_string
+
+
+def test_api_key_is_not_visible() -> None:
+    assert API_KEY
+    assert API_KEY not in node(HEAD).check_output("ps -eo args")
+    for name in NODES:
+        assert API_KEY not in node(name).check_output(f"docker inspect {CONTAINER[name]}")
+    assert API_KEY not in node(HEAD).check_output(f"cat {RUN_FILE}")
+
+
+def test_hy_v3_parsers_were_patched_for_the_suffixed_tokens() -> None:
+    record = run_record()
+    assert record["parsers"] and set(record["parsers"].values()) == {"patched"}
+    for path in record["parsers"]:
+        text = node(HEAD).check_output(f"docker exec {CONTAINER[HEAD]} cat {path}")
+        assert '"<tool_calls:opensource>"' in text or '"<think:opensource>"' in text
+        assert '"<tool_calls>"' not in text and '"<think>"' not in text
+
+
+def test_run_record_holds_the_kv_cache_lines() -> None:
+    record = run_record()
+    assert node(HEAD).file(RUN_FILE).mode == 0o600
+    assert record["kv_cache_line"].startswith("GPU KV cache size: ")
+    assert record["kv_cache_tokens"] > 0
+    assert record["max_concurrency_line"].startswith("Maximum concurrency for 131,072 tokens per request: ")
+    assert record["max_concurrency"] >= 1.0
+    assert "--distributed-executor-backend" in record["argv"]
+
+
+def test_idempotent_run_left_the_engine_and_containers_alone() -> None:
+    """The run record was written by the first converge; idempotence (changed=0) kept it, so these are the first
+    run's engine and containers."""
+    record = run_record()
+    assert engine_pids() == [record["engine_pid"]]
+    for name in NODES:
+        assert inspect(name)["Id"] == record["containers"][name]
+    assert inspect(HEAD)["State"]["StartedAt"] == record["head_started_at"]
+
+
+# --- faults: each failing run names its cause, and the next clean run recovers -------------------------------------
+
+
+def test_fault_worker_dies_before_serving() -> None:
+    worker = node(WORKER)
+    # The worker's container is gone and something else took its Ray node-manager port (6380, on the host network
+    # the Ray containers share): its `ray start` fails and the container exits before the engine starts.
+    worker.check_output(f"docker rm -f {CONTAINER[WORKER]}")
+    worker.run("systemctl reset-failed hy3spark-fault-port")
+    worker.check_output("systemd-run --unit hy3spark-fault-port python3 -m http.server 6380 --bind %s",
+                        FABRIC_IP[WORKER])
+    try:
+        listening = "for i in $(seq 20); do ss -ltn | grep -q ':6380 ' && exit 0; sleep 0.5; done; exit 1"
+        assert worker.run(listening).rc == 0, "the fault's listener did not start"
+        result = playbook(str(SCENARIO / "converge.yml"))
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out
+        assert "Ray reports 1 of 2 nodes and 1.0 of 2 GPUs" in out, out
+        assert f"{WORKER} ({FABRIC_IP[WORKER]}): container {CONTAINER[WORKER]} exited with exit code 1" in out, out
+        assert "Exception: The current node timed out during startup" in out, out
+    finally:
+        worker.run("systemctl stop hy3spark-fault-port")
+    result = playbook(str(SCENARIO / "converge.yml"), "-v")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert API_KEY not in result.stdout + result.stderr
+    test_ray_reports_two_nodes_and_two_gpus()
+    test_completion_returns_text()
+
+
+def test_fault_engine_exits_at_startup() -> None:
+    variant = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "fault-unknown-flag"
+    spec = (SCENARIO / "cluster.yml").read_text().replace(
+        "  health_timeout_s: 180\n", "  health_timeout_s: 180\n  extra_args: [--no-such-flag]\n")
+    variant.mkdir(exist_ok=True)
+    (variant / "cluster.yml").write_text(spec)
+    render = [sys.executable, "-m", "hy3spark", "render", str(variant / "cluster.yml"), "--out", str(variant / "out")]
+    subprocess.run(render, cwd=REPO, check=True, capture_output=True)
+    group_vars = variant / "out/inventory/group_vars/all/hy3spark.yml"
+    result = playbook(str(SCENARIO / "converge.yml"), "-e", f"@{group_vars}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "The engine exited" in out, out
+    assert "unrecognized arguments: --no-such-flag" in out, out
+    result = playbook(str(SCENARIO / "converge.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = run_record()
+    assert "--no-such-flag" not in record["argv"]
+    assert engine_pids() == [record["engine_pid"]]
+    test_completion_returns_text()
+
+
+# --- the way back -----------------------------------------------------------------------------------------------------
+
+
+def test_teardown_removes_every_container_of_ours_and_keeps_the_model() -> None:
+    result = playbook(str(REPO / "playbooks/teardown.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    for name in NODES:
+        assert f"{name}: MemAvailable " in out, out
+        left = node(name).check_output("docker ps -aq --filter label=io.hy3spark.cluster")
+        assert left.strip() == ""
+        assert node(name).file(f"{MODEL_SNAPSHOT}/config.json").exists
+        assert node(name).file("/etc/hy3spark/node.env").exists
+        assert node(name).file("/etc/netplan/60-hy3spark-fabric.yaml").exists
+        assert f"inet {FABRIC_IP[name]}/24" in node(name).check_output("ip -o -4 addr show dev eth1")
+    again = playbook(str(REPO / "playbooks/teardown.yml"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert recap_changed(again.stdout) == {HEAD: 0, WORKER: 0}, again.stdout
