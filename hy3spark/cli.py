@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "worker's lines in it) and classify each channel: NET/IB with or without "
                                    "GDRDMA, NET/Socket (TCP fallback), P2P/SHM (same node). Exits 1 when any "
                                    "channel is on NET/Socket, with why and how to fix it.")
-    p.add_argument("logs", nargs="+", type=Path, metavar="LOG")
+    p.add_argument("logs", nargs="+", type=Path, metavar="LOG", help="log files; - reads standard input")
     p.add_argument("--allow-socket", action="store_true", help="report NET/Socket as a warning, not a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_transport)
@@ -255,6 +255,9 @@ def cmd_transport(args: argparse.Namespace) -> int:
 
     texts = {}
     for path in args.logs:
+        if str(path) == "-":
+            texts["stdin"] = sys.stdin.read()
+            continue
         try:
             texts[str(path)] = path.read_text(errors="replace")
         except OSError as exc:

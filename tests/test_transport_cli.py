@@ -48,3 +48,17 @@ def test_serve_log_with_ray_prefixes(cli, tmp_path: Path) -> None:
 def test_missing_log(cli, tmp_path: Path) -> None:
     result = cli("transport", str(tmp_path / "none.log"))
     assert result.code == 1 and "No such file or directory" in result.err
+
+
+def test_logs_on_standard_input() -> None:
+    """vllm_serve pipes the serve log's NCCL lines in: `hy3spark transport -`."""
+    import subprocess
+    import sys
+
+    text = Path(_fixture("nccl-socket-rank0.log")).read_text() + Path(_fixture("nccl-socket-rank1.log")).read_text()
+    proc = subprocess.run([sys.executable, "-m", "hy3spark", "transport", "-"], input=text, capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and "NET/Socket: 8" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "hy3spark", "transport", "-"], input="", capture_output=True,
+                          text=True)
+    assert proc.returncode == 1, "a log without any channel line must not pass the gate"
