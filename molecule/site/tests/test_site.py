@@ -258,7 +258,7 @@ def test_fault_worker_dies_before_serving() -> None:
         result = playbook(str(SCENARIO / "converge.yml"))
         out = result.stdout + result.stderr
         assert result.returncode != 0, out
-        assert "Ray reports 1 of 2 nodes and 1.0 of 2 GPUs (alive: 10.95.0.11)" in out, out
+        assert "Ray reports 1 of 2 nodes and 1 of 2 GPUs (alive: 10.95.0.11)" in out, out
         assert (f"{WORKER} ({FABRIC_IP[WORKER]}): container {CONTAINER[WORKER]} exited with exit code 137 (SIGKILL)"
                 in out), out
         assert "GPU KV cache size" not in out, "the engine must not be started on a broken cluster"

@@ -1,0 +1,128 @@
+"""ray scenario: the one-node path. The head's Ray gates the cluster on its own, the engine serves with TP=1, the
+gate names a dead head or a Ray version other than the pinned one, and teardown leaves nothing of ours.
+
+Converge, idempotence (changed=0) and check ran before; these tests run in file order against the live node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import testinfra
+
+SCENARIO = Path(__file__).resolve().parent.parent
+REPO = SCENARIO.parent.parent
+INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
+NODE, IP, CONTAINER, SERVED = "ray-single", "10.95.2.11", "gptoss-head", "gpt-oss-120b"
+API_KEY = os.environ.get("HY3SPARK_RAY_API_KEY", "")
+RENDERED = SCENARIO / ".rendered"
+
+RAY_NODES = (
+    "import json, ray\n"
+    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
+    "alive = [n for n in ray.nodes() if n['Alive']]\n"
+    "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
+)
+
+
+def node() -> testinfra.host.Host:
+    return testinfra.get_host(f"docker://{NODE}")
+
+
+def api(path: str, body: dict | None = None) -> tuple[int, dict]:
+    code = (
+        "import json, sys, urllib.request, urllib.error\n"
+        "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None,"
+        " headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + sys.argv[3]})\n"
+        "try:\n"
+        "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
+        "except urllib.error.HTTPError as e:\n"
+        "    print(e.code); print(e.read().decode() or '{}')\n"
+    )
+    out = node().run("python3 -c %s %s %s %s", code, f"http://127.0.0.1:8888{path}",
+                     json.dumps(body) if body else "", API_KEY)
+    assert out.rc == 0, out.stderr
+    status, _, text = out.stdout.partition("\n")
+    return int(status), json.loads(text or "{}")
+
+
+def playbook(*args: str) -> subprocess.CompletedProcess:
+    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+
+def changed(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.M)}
+
+
+def test_ray_reports_one_node_and_one_gpu() -> None:
+    out = node().check_output("docker exec %s python3 -c %s", CONTAINER, RAY_NODES)
+    assert json.loads(out.strip().splitlines()[-1]) == [[IP, 1.0]]
+
+
+def test_head_container_runs_the_rendered_command_with_its_own_address() -> None:
+    info = json.loads(node().check_output(f"docker inspect {CONTAINER}"))[0]
+    rendered = json.loads((RENDERED / "files" / NODE / "container.json").read_text())
+    assert info["Config"]["Cmd"] == rendered["command"]
+    assert rendered["command"][:3] == ["ray", "start", "--head"]
+    assert rendered["command"][rendered["command"].index("--node-ip-address") + 1] == IP
+    assert "--include-dashboard=false" in rendered["command"]
+    env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+    assert env["VLLM_HOST_IP"] == IP
+
+
+def test_serves_with_tensor_parallel_one() -> None:
+    status, body = api("/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == [SERVED]
+    status, body = api("/v1/completions", {"model": SERVED, "prompt": "Hello", "max_tokens": 8})
+    assert status == 200 and body["choices"][0]["text"].strip()
+    record = json.loads(node().check_output("cat /var/lib/hy3spark/serve.json"))
+    assert record["parsers"] == {}, "no hy_v3 parser in this command: nothing to check or patch"
+    assert record["kv_cache_line"].startswith("GPU KV cache size: ")
+    assert record["max_concurrency_line"].startswith("Maximum concurrency for 4,096 tokens per request: ")
+
+
+def test_fault_pinned_ray_version_differs() -> None:
+    result = playbook(str(REPO / "playbooks/ray.yml"), "-e", "ray_head_ray_version=2.49.0",
+                      "-e", '{"ray_head_ulimits": ["memlock:8388608:8388608", "stack:67108864:67108864"]}')
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "Ray and Python must be the same on every node and Ray must be 2.49.0 (ray.version in the spec):" in out
+    assert re.search(r"ray-single: Ray 2\.60\.\d+ / Python 3\.\d+\.\d+", out), out
+
+
+def test_fault_head_dies_then_recovers() -> None:
+    host = node()
+    host.check_output(f"docker rm -f {CONTAINER}")
+    host.run("systemctl reset-failed hy3spark-fault-killer")
+    host.check_output(
+        "systemd-run --unit hy3spark-fault-killer sh -c %s",
+        f"docker events --filter type=container --filter event=start --filter container={CONTAINER}"
+        f" --format x | while read -r _; do docker kill {CONTAINER}; done")
+    try:
+        result = playbook(str(SCENARIO / "converge.yml"))
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out
+        assert "Ray reports 0 of 1 nodes and 0 of 1 GPUs" in out, out
+        assert f"Missing: {NODE} ({IP}): container {CONTAINER} exited with exit code 137 (SIGKILL)" in out, out
+    finally:
+        host.run("systemctl stop hy3spark-fault-killer")
+    result = playbook(str(SCENARIO / "converge.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    test_ray_reports_one_node_and_one_gpu()
+    test_serves_with_tensor_parallel_one()
+
+
+def test_teardown_leaves_nothing_of_ours() -> None:
+    result = playbook(str(REPO / "playbooks/teardown.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{NODE}: MemAvailable " in result.stdout
+    assert node().check_output("docker ps -aq --filter label=io.hy3spark.cluster").strip() == ""
+    assert node().file("/var/lib/hy3spark/hub").is_directory
+    again = playbook(str(REPO / "playbooks/teardown.yml"))
+    assert again.returncode == 0 and changed(again.stdout) == {NODE: 0}, again.stdout
