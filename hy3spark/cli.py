@@ -338,9 +338,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
+    if args.lines < 1:
+        raise Hy3SparkError("--lines must be at least 1")
     if args.no_follow:
-        text, _size = operate.read_log(loaded, runs, None, args.lines)
-        sys.stdout.write(text)
+        sys.stdout.write(operate.read_log(loaded, runs, args.lines))
         return EXIT_OK
     return operate.follow_log(loaded, runs, args.lines)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 from hy3spark import render
 from hy3spark.context import SERVE_LOG
 from hy3spark.errors import EXIT_OK, Hy3SparkError
-from hy3spark.runner import REPO_ROOT, Progress, RunResult, failure_summary, run_playbook
+from hy3spark.runner import REPO_ROOT, Progress, RunResult, environ_without, failure_summary, run_playbook
 from hy3spark.spec import Loaded
 
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
@@ -192,48 +194,61 @@ def _append_labbook(labbook: Path, line: str) -> None:
 
 
 # --- logs ---------------------------------------------------------------------------------------------------------
-def read_log(loaded: Loaded, runs_dir: Path, offset: int | None, lines: int) -> tuple[str, int]:
-    """Read the serve log on the head through ansible-runner; from byte `offset`, or its last `lines` lines."""
-    import ansible_runner
+class ServeLog:
+    """The engine's log on the head, read through ansible-runner (the spec's SSH settings) in a private data dir of
+    this command's own (0700), with the secrets out of the environment ansible-runner writes to disk."""
 
-    from hy3spark.runner import secrets_handover
+    def __init__(self, loaded: Loaded, runs_dir: Path) -> None:
+        self.loaded = loaded
+        self.inventory = render_inventory(loaded, runs_dir)
+        self.private = Path(tempfile.mkdtemp(prefix=time.strftime("logs-%Y%m%d-%H%M%S-"), dir=runs_dir))
 
-    inventory = render_inventory(loaded, runs_dir)
-    log = SERVE_LOG
-    script = (f"wc -c < {log}; tail -c +{offset + 1} {log}" if offset is not None
-              else f"wc -c < {log}; tail -n {lines} {log}")
-    private = runs_dir / "logs-private"
-    private.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with secrets_handover([]) as handover:
-        r = ansible_runner.run(
-            private_data_dir=str(private), inventory=str(inventory), host_pattern=loaded.spec.head.name,
-            module="ansible.builtin.shell", module_args=script, quiet=True,
-            envvars={"ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"), "LC_ALL": "C.UTF-8", **handover},
-            rotate_artifacts=3,
-        )
-    for ev in r.events:
-        if ev.get("event") == "runner_on_ok":
-            out = ev["event_data"]["res"].get("stdout", "")
-            size_line, _, body = out.partition("\n")
-            return body + ("\n" if body else ""), int(size_line.strip() or 0)
-        if ev.get("event") in ("runner_on_failed", "runner_on_unreachable"):
-            res = ev["event_data"]["res"]
-            raise Hy3SparkError(f"cannot read {log} on {loaded.spec.head.name}: "
-                                f"{res.get('stderr') or res.get('msg')}")
-    raise Hy3SparkError(f"cannot read {log} on {loaded.spec.head.name}: ansible-runner {r.status} (rc {r.rc})")
+    def read(self, offset: int | None, lines: int) -> tuple[str, int]:
+        """From byte `offset` (or the last `lines` lines) up to the size measured first, so the next read starts
+        exactly where this one ended."""
+        import ansible_runner
+
+        log = shlex.quote(SERVE_LOG)
+        head = self.loaded.spec.head.name
+        body = (f"tail -c +{offset + 1} {log} | head -c $((size - {offset}))" if offset is not None
+                else f"head -c \"$size\" {log} | tail -n {lines}")
+        script = (f"[ -f {log} ] || {{ echo 'no {SERVE_LOG} on this node: nothing has been served here yet' >&2; "
+                  f"exit 1; }}; size=$(stat -c %s {log}) && echo \"$size\" && {body}")
+        with environ_without(secret_names(self.loaded)):
+            r = ansible_runner.run(
+                private_data_dir=str(self.private), inventory=str(self.inventory), host_pattern=head,
+                module="ansible.builtin.shell", module_args=script, quiet=True,
+                envvars={"ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"), "LC_ALL": "C.UTF-8"},
+                rotate_artifacts=3,
+            )
+        for ev in r.events:
+            if ev.get("event") == "runner_on_ok":
+                out = ev["event_data"]["res"].get("stdout", "")
+                size_line, _, text = out.partition("\n")
+                return text + ("\n" if text else ""), int(size_line.strip() or 0)
+            if ev.get("event") in ("runner_on_failed", "runner_on_unreachable"):
+                res = ev["event_data"]["res"]
+                raise Hy3SparkError(f"cannot read {SERVE_LOG} on {head}: {res.get('stderr') or res.get('msg')}")
+        raise Hy3SparkError(f"cannot read {SERVE_LOG} on {head}: ansible-runner {r.status} (rc {r.rc})")
+
+
+def read_log(loaded: Loaded, runs_dir: Path, lines: int) -> str:
+    """The last `lines` lines of the serve log on the head."""
+    return ServeLog(loaded, runs_dir).read(None, lines)[0]
 
 
 def follow_log(loaded: Loaded, runs_dir: Path, lines: int, interval: float = 2.0) -> int:
     """Print the tail, then new bytes every `interval` s. Ctrl+C detaches; the engine keeps running."""
-    text, size = read_log(loaded, runs_dir, None, lines)
+    log = ServeLog(loaded, runs_dir)
+    text, size = log.read(None, lines)
     sys.stdout.write(text)
     sys.stdout.flush()
     try:
         while True:
             time.sleep(interval)
-            text, new_size = read_log(loaded, runs_dir, size, lines)
+            text, new_size = log.read(size, lines)
             if new_size < size:  # the log was rotated or truncated: start over from its beginning
-                text, new_size = read_log(loaded, runs_dir, 0, lines)
+                text, new_size = log.read(0, lines)
             sys.stdout.write(text)
             sys.stdout.flush()
             size = new_size

@@ -54,23 +54,32 @@ class RunResult:
 
 
 @contextlib.contextmanager
+def environ_without(names: list[str]) -> Iterator[dict[str, str]]:
+    """Take the named variables out of os.environ (ansible-runner writes it to disk); put them back afterwards."""
+    saved = {n: os.environ.pop(n) for n in names if n and n in os.environ}
+    try:
+        yield saved
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
 def secrets_handover(names: list[str]) -> Iterator[dict[str, str]]:
     """Move the named variables out of os.environ into a 0600 file; restore everything afterwards."""
-    saved = {n: os.environ.pop(n) for n in names if n and n in os.environ}
-    tmpdir = tempfile.mkdtemp(prefix="hy3spark-secrets-")  # mkdtemp makes it 0700
-    path = Path(tmpdir) / "secrets.env"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        for key, value in saved.items():
-            if "\n" in value:
-                raise ValueError(f"{key} contains a newline")
-            fh.write(f"{key}={value}\n")
-    try:
-        yield {"HY3SPARK_SECRETS_FILE": str(path)}
-    finally:
-        path.unlink(missing_ok=True)
-        os.rmdir(tmpdir)
-        os.environ.update(saved)
+    with environ_without(names) as saved:
+        tmpdir = tempfile.mkdtemp(prefix="hy3spark-secrets-")  # mkdtemp makes it 0700
+        path = Path(tmpdir) / "secrets.env"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            for key, value in saved.items():
+                if "\n" in value:
+                    raise ValueError(f"{key} contains a newline")
+                fh.write(f"{key}={value}\n")
+        try:
+            yield {"HY3SPARK_SECRETS_FILE": str(path)}
+        finally:
+            path.unlink(missing_ok=True)
+            os.rmdir(tmpdir)
 
 
 class Progress:
