@@ -18,7 +18,15 @@ from typing import Any
 from hy3spark import render
 from hy3spark.context import SERVE_LOG
 from hy3spark.errors import EXIT_OK, Hy3SparkError
-from hy3spark.runner import REPO_ROOT, Progress, RunResult, environ_without, failure_summary, run_playbook
+from hy3spark.runner import (
+    REPO_ROOT,
+    Progress,
+    RunResult,
+    environ_without,
+    failure_summary,
+    interruptible,
+    run_playbook,
+)
 from hy3spark.spec import Loaded
 
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
@@ -203,9 +211,9 @@ class ServeLog:
         self.inventory = render_inventory(loaded, runs_dir)
         self.private = Path(tempfile.mkdtemp(prefix=time.strftime("logs-%Y%m%d-%H%M%S-"), dir=runs_dir))
 
-    def read(self, offset: int | None, lines: int) -> tuple[str, int]:
+    def read(self, offset: int | None, lines: int, stop: Any) -> tuple[str, int] | None:
         """From byte `offset` (or the last `lines` lines) up to the size measured first, so the next read starts
-        exactly where this one ended."""
+        exactly where this one ended. None when `stop` was set during the read."""
         import ansible_runner
 
         log = shlex.quote(SERVE_LOG)
@@ -219,8 +227,10 @@ class ServeLog:
                 private_data_dir=str(self.private), inventory=str(self.inventory), host_pattern=head,
                 module="ansible.builtin.shell", module_args=script, quiet=True,
                 envvars={"ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"), "LC_ALL": "C.UTF-8"},
-                rotate_artifacts=3,
+                rotate_artifacts=3, cancel_callback=stop.is_set,
             )
+        if r.status == "canceled":
+            return None
         for ev in r.events:
             if ev.get("event") == "runner_on_ok":
                 out = ev["event_data"]["res"].get("stdout", "")
@@ -234,27 +244,34 @@ class ServeLog:
 
 def read_log(loaded: Loaded, runs_dir: Path, lines: int) -> str:
     """The last `lines` lines of the serve log on the head."""
-    return ServeLog(loaded, runs_dir).read(None, lines)[0]
+    with interruptible() as stop:
+        got = ServeLog(loaded, runs_dir).read(None, lines, stop)
+    if got is None:
+        raise KeyboardInterrupt
+    return got[0]
 
 
 def follow_log(loaded: Loaded, runs_dir: Path, lines: int, interval: float = 2.0) -> int:
     """Print the tail, then new bytes every `interval` s. Ctrl+C detaches; the engine keeps running."""
     log = ServeLog(loaded, runs_dir)
-    text, size = log.read(None, lines)
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    try:
-        while True:
-            time.sleep(interval)
-            text, new_size = log.read(size, lines)
-            if new_size < size:  # the log was rotated or truncated: start over from its beginning
-                text, new_size = log.read(0, lines)
+    with interruptible() as stop:
+        size: int | None = None
+        while not stop.is_set():
+            got = log.read(size, lines, stop)
+            if got is None:
+                break
+            text, new_size = got
+            if size is not None and new_size < size:  # rotated or truncated: start over from its beginning
+                got = log.read(0, lines, stop)
+                if got is None:
+                    break
+                text, new_size = got
             sys.stdout.write(text)
             sys.stdout.flush()
             size = new_size
-    except KeyboardInterrupt:
-        print("\ndetached (the engine keeps running)", file=sys.stderr)
-        return EXIT_OK
+            stop.wait(interval)
+    print("\ndetached (the engine keeps running)", file=sys.stderr)
+    return EXIT_OK
 
 
 def now() -> str:

@@ -4,14 +4,20 @@ Secrets: ansible-runner copies the child's whole environment into `artifacts/<id
 given). So for the length of a run the secret variables the spec names are taken OUT of this process's
 environment and handed to the playbook in a 0600 file (in a 0700 directory outside the private data dir, deleted
 afterwards) that the `hy3spark_secret` lookup reads. Each run gets a fresh private data dir of mode 0700.
+
+Signals: given no cancel_callback, ansible_runner.run installs SIGINT/SIGTERM handlers of its own and never puts
+the old ones back, so after one run Ctrl+C no longer reached this program. Every run here passes a callback
+instead (`interruptible`): Ctrl+C stops the child and the run ends as 'canceled', exit code 130.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +27,7 @@ from typing import Any
 from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl+C; hy3spark.cli.main returns the same
 
 
 @dataclass
@@ -48,9 +55,30 @@ class RunResult:
     def exit_code(self) -> int:
         if self.rc == 0 and self.status == "successful":
             return EXIT_OK
+        if self.status == "canceled":
+            return EXIT_INTERRUPTED
         if any(f.unreachable for f in self.failures):
             return EXIT_UNREACHABLE
         return EXIT_FAILED
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[threading.Event]:
+    """SIGINT and SIGTERM set the event (ansible-runner's cancel_callback) instead of raising mid-run."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(_signum: int, _frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextlib.contextmanager
@@ -211,7 +239,7 @@ def run_playbook(
         return True  # keep the event in the artifacts (job_events), as ansible-runner does by default
 
     start = time.monotonic()
-    with secrets_handover(secret_names) as handover:
+    with secrets_handover(secret_names) as handover, interruptible() as stop:
         envvars = {
             "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
             "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
@@ -233,6 +261,7 @@ def run_playbook(
             limit=limit,
             cmdline=" ".join(cmdline) or None,
             event_handler=on_event,
+            cancel_callback=stop.is_set,
             quiet=True,
         )
     end = time.monotonic()
@@ -246,6 +275,10 @@ def run_playbook(
 
 def failure_summary(result: RunResult) -> str:
     """One screen: which host, which step, why, and the relevant log tail."""
+    if result.status == "canceled":
+        return (f"interrupted: {result.playbook} was stopped after {result.duration_s:.0f} s; tasks that had "
+                f"started may have changed a node half-way (run it again to converge)\n"
+                f"  full log: {result.private_data_dir}/artifacts/*/stdout")
     lines = [f"{result.playbook} failed (rc {result.rc}, status {result.status}) after {result.duration_s:.0f} s"]
     for f in result.failures[:8]:
         kind = "UNREACHABLE" if f.unreachable else "FAILED"
