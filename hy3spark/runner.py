@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -28,6 +29,8 @@ from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl+C; hy3spark.cli.main returns the same
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours the lines it forwards from workers
+_MESSAGE_HEAD, _MESSAGE_TAIL = 2, 14  # a long failure message: its first lines say what, its last lines why
 
 
 @dataclass
@@ -180,13 +183,17 @@ class Progress:
             self._live.update(self._table())
 
 
+def plain(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
 def _message(res: dict[str, Any]) -> tuple[str, list[str]]:
-    msg = str(res.get("msg") or res.get("reason") or "").strip()
+    msg = plain(str(res.get("msg") or res.get("reason") or "")).strip()
     tail: list[str] = []
     for key in ("stderr_lines", "stdout_lines"):
         lines = res.get(key) or []
         if lines:
-            tail = [str(x) for x in lines[-15:]]
+            tail = [plain(str(x)) for x in lines[-15:]]
             break
     if not msg and tail:
         msg = tail[-1]
@@ -273,6 +280,16 @@ def run_playbook(
                      round(end - start, 2), results)
 
 
+def _clip(message: str) -> list[str]:
+    """A long message (a log tail under a headline) keeps its first lines and its last ones, where the cause is."""
+    lines = message.splitlines()
+    if len(lines) <= _MESSAGE_HEAD + _MESSAGE_TAIL + 1:
+        return lines
+    cut = len(lines) - _MESSAGE_HEAD - _MESSAGE_TAIL
+    return [*lines[:_MESSAGE_HEAD], f"  ... {cut} lines cut (all of them are in the full log) ...",
+            *lines[-_MESSAGE_TAIL:]]
+
+
 def failure_summary(result: RunResult) -> str:
     """One screen: which host, which step, why, and the relevant log tail."""
     if result.status == "canceled":
@@ -283,7 +300,7 @@ def failure_summary(result: RunResult) -> str:
     for f in result.failures[:8]:
         kind = "UNREACHABLE" if f.unreachable else "FAILED"
         lines.append(f"  {kind} host {f.host}, task '{f.task}':")
-        lines.extend(f"      {line}" for line in f.message.splitlines()[:12])
+        lines.extend(f"      {line}" for line in _clip(f.message))
         if f.tail and f.tail[-1] not in f.message:
             lines.append("    log tail:")
             lines.extend(f"      {line}" for line in f.tail[-10:])
