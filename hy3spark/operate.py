@@ -25,11 +25,15 @@ from hy3spark.runner import (
     environ_without,
     failure_summary,
     interruptible,
+    plain,
     run_playbook,
 )
 from hy3spark.spec import Loaded
 
 DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
+# The line templates/serve.sh.j2 writes to the serve log each time the engine starts. The log is appended to, so
+# what describes the engine now (its KV lines, its NCCL channels) is what follows the last such line.
+ENGINE_START = "hy3spark: starting "
 
 
 def secret_names(loaded: Loaded) -> list[str]:
@@ -86,17 +90,24 @@ def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> 
     result = _run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
     nodes = {host: data.get("hy3spark_report_status", {}) for host, data in result.results.items()}
     head = nodes.get(loaded.spec.head.name, {})
+    lines = current_engine_lines([plain(str(x)) for x in head.get("log_lines", [])])
     summary = {
         "cluster": loaded.spec.name,
         "nodes": nodes,
         "ray": parse_ray_status(str(head.get("ray_status", ""))),
         "endpoint": {"url": f"http://{loaded.spec.head.fabric_ip.ip}:{loaded.spec.serving.port}",
                      "health": head.get("health"), "models": head.get("models", [])},
-        "kv_lines": [x for x in head.get("log_lines", []) if "KV cache size" in x or "Maximum concurrency" in x],
-        "transport": _transport(head.get("log_lines", [])),
+        "kv_lines": [x for x in lines if "KV cache size" in x or "Maximum concurrency" in x],
+        "transport": _transport(lines),
         "last_run": last_record(runs_dir),
     }
     return result, summary
+
+
+def current_engine_lines(lines: list[str]) -> list[str]:
+    """The lines the latest engine start logged: earlier starts' KV and NCCL lines describe no running engine."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(ENGINE_START)]
+    return lines[starts[-1] + 1:] if starts else lines
 
 
 def _transport(lines: list[str]) -> str | None:
