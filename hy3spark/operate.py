@@ -99,7 +99,7 @@ def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> 
                      "health": head.get("health"), "models": head.get("models", [])},
         "kv_lines": [x for x in lines if "KV cache size" in x or "Maximum concurrency" in x],
         "transport": _transport(lines),
-        "last_run": last_record(runs_dir),
+        "last_run": last_record(runs_dir, loaded.spec.name),
     }
     return result, summary
 
@@ -153,12 +153,13 @@ def print_status(summary: dict[str, Any]) -> None:
 
 
 # --- run records --------------------------------------------------------------------------------------------------
-def last_record(runs_dir: Path) -> dict[str, Any] | None:
-    records = sorted((runs_dir / "records").glob("*.json"))
-    if not records:
-        return None
-    data = json.loads(records[-1].read_text())
-    return {"file": str(records[-1]), "started": data.get("started"), "status": data.get("status")}
+def last_record(runs_dir: Path, cluster: str) -> dict[str, Any] | None:
+    """The newest record of this cluster (a runs directory holds the records of every cluster run from it)."""
+    for path in sorted((runs_dir / "records").glob(f"*-{cluster}.json"), reverse=True):
+        data = json.loads(path.read_text())
+        if data.get("cluster") == cluster:
+            return {"file": str(path), "started": data.get("started"), "status": data.get("status")}
+    return None
 
 
 def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dict[str, Any] | None,
