@@ -300,7 +300,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     loaded = _load(args.spec)
     result = operate._run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
                           limit=args.limit)
-    return operate._finish(result, args.json)
+    return operate._finish(result, args.json, reports=True)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -309,7 +309,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     loaded = _load(args.spec)
     runs = _runs_dir(args)
     result = operate._run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
-    code = operate._finish(result, args.json)
+    code = operate._finish(result, args.json, reports=True)
     if args.dry_run and code == EXIT_OK:
         dry = operate._run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
                            diff=True)

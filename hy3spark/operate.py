@@ -56,16 +56,26 @@ def _run(loaded: Loaded, playbook: str, runs_dir: Path, title: str, **kwargs: An
                             progress=progress, **kwargs)
 
 
-def _finish(result: RunResult, json_out: bool, extra: dict[str, Any] | None = None) -> int:
+def _finish(result: RunResult, json_out: bool, extra: dict[str, Any] | None = None, reports: bool = False) -> int:
+    """The outcome on stdout (JSON or a line) and a failure's summary on stderr; before them what would change (a
+    diff-mode run) and, with `reports`, what the run's report tasks printed (preflight table, teardown's memory)."""
     if json_out:
         payload = {
             "playbook": result.playbook, "status": result.status, "rc": result.rc, "exit_code": result.exit_code,
             "duration_s": result.duration_s, "phases": result.phases,
             "failures": [f.__dict__ for f in result.failures], "artifacts": str(result.private_data_dir),
+            **({"reports": [r.__dict__ for r in result.reports]} if reports else {}),
+            **({"diffs": result.diffs} if result.diffs else {}),
             **(extra or {}),
         }
         print(json.dumps(payload, indent=2, default=str))
-    elif result.exit_code != EXIT_OK:
+        return result.exit_code
+    if reports and result.exit_code == EXIT_OK:
+        for report in result.reports:
+            print(report.text)
+    for diff in result.diffs:
+        print(diff, end="")
+    if result.exit_code != EXIT_OK:
         print(failure_summary(result), file=sys.stderr)
     else:
         print(f"{result.playbook}: ok in {result.duration_s:.0f} s")

@@ -13,6 +13,7 @@ instead (`interruptible`): Ctrl+C stops the child and the run ends as 'canceled'
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl+C; hy3spark.cli.main returns the same
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours the lines it forwards from workers
+# A report task: `debug` whose name starts so (the preflight table, teardown's memory lines).
+_REPORT_PREFIXES = ("Print ", "Report ")
 _MESSAGE_HEAD, _MESSAGE_TAIL = 2, 14  # a long failure message: its first lines say what, its last lines why
 
 
@@ -40,6 +43,17 @@ class Failure:
     message: str
     tail: list[str] = field(default_factory=list)
     unreachable: bool = False
+    play: str = ""
+
+
+@dataclass
+class Report:
+    """What a report task printed (the preflight table, teardown's memory lines): shown to the user as is."""
+
+    play: str
+    host: str
+    task: str
+    text: str
 
 
 @dataclass
@@ -53,6 +67,8 @@ class RunResult:
     phases: dict[str, float]
     duration_s: float
     results: dict[str, dict[str, Any]]  # host -> last result of each task named "Report ..." (collected facts)
+    reports: list[Report] = field(default_factory=list)
+    diffs: list[str] = field(default_factory=list)  # with diff=True: one unified diff per changed result
 
     @property
     def exit_code(self) -> int:
@@ -200,6 +216,24 @@ def _message(res: dict[str, Any]) -> tuple[str, list[str]]:
     return msg or "failed (no message)", tail
 
 
+def _diff_text(host: str, task: str, diff: Any) -> str:
+    """A result's diff (ansible's before/after or prepared text) as one unified diff under a `host: task` line."""
+    parts = [f"{host}: {task}"]
+    for d in diff if isinstance(diff, list) else [diff]:
+        if not isinstance(d, dict):
+            continue
+        if d.get("prepared"):
+            parts.append(str(d["prepared"]).rstrip("\n"))
+            continue
+        before, after = ("".join(f"{k}: {v}\n" for k, v in x.items()) if isinstance(x, dict) else str(x or "")
+                         for x in (d.get("before"), d.get("after")))
+        lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                     fromfile=f"before: {d.get('before_header', '')}".rstrip(),
+                                     tofile=f"after: {d.get('after_header', '')}".rstrip())
+        parts.append("".join(x if x.endswith("\n") else x + "\n" for x in lines).rstrip("\n"))
+    return "\n".join(x for x in parts if x) + "\n"
+
+
 def run_playbook(
     playbook: str,
     inventory: Path,
@@ -224,23 +258,32 @@ def run_playbook(
         cmdline.append("--diff")
     failures: list[Failure] = []
     results: dict[str, dict[str, Any]] = {}
+    reports: list[Report] = []
+    diffs: list[str] = []
     play_starts: list[tuple[str, float]] = []
 
     def on_event(ev: dict[str, Any]) -> bool:
         kind = ev.get("event", "")
         data = ev.get("event_data", {})
+        play = data.get("play", "")
         if kind == "playbook_on_play_start":
-            play_starts.append((data.get("play", ""), time.monotonic()))
+            play_starts.append((play, time.monotonic()))
+        res = data.get("res", {}) if isinstance(data.get("res"), dict) else {}
         if kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
-            res = data.get("res", {}) if isinstance(data.get("res"), dict) else {}
             msg, tail = _message(res)
             failures.append(Failure(data.get("host", "?"), data.get("task", "?"), msg, tail,
-                                    unreachable=kind == "runner_on_unreachable"))
-        if kind == "runner_on_ok" and str(data.get("task", "")).startswith("Report "):
-            res = data.get("res", {})
-            for key, value in res.items():
-                if key.startswith("hy3spark_report"):
-                    results.setdefault(data.get("host", "?"), {})[key] = value
+                                    unreachable=kind == "runner_on_unreachable", play=play))
+        if kind == "runner_on_ok":
+            task = str(data.get("task", ""))
+            if task.startswith("Report "):
+                for key, value in res.items():
+                    if key.startswith("hy3spark_report"):
+                        results.setdefault(data.get("host", "?"), {})[key] = value
+            if (task.startswith(_REPORT_PREFIXES) and str(data.get("task_action", "")).endswith("debug")
+                    and isinstance(res.get("msg"), str)):
+                reports.append(Report(play, data.get("host", "?"), task, plain(res["msg"]).rstrip("\n")))
+            if diff and res.get("changed") and res.get("diff"):
+                diffs.append(_diff_text(data.get("host", "?"), task, res["diff"]))
         if progress is not None:
             progress.event(ev)
         return True  # keep the event in the artifacts (job_events), as ansible-runner does by default
@@ -277,7 +320,7 @@ def run_playbook(
         t1 = play_starts[i + 1][1] if i + 1 < len(play_starts) else end
         phases[name] = round(phases.get(name, 0.0) + (t1 - t0), 2)
     return RunResult(playbook, runner.status, runner.rc, private, failures, runner.stats or {}, phases,
-                     round(end - start, 2), results)
+                     round(end - start, 2), results, reports, diffs)
 
 
 def _clip(message: str) -> list[str]:
@@ -297,6 +340,13 @@ def failure_summary(result: RunResult) -> str:
                 f"started may have changed a node half-way (run it again to converge)\n"
                 f"  full log: {result.private_data_dir}/artifacts/*/stdout")
     lines = [f"{result.playbook} failed (rc {result.rc}, status {result.status}) after {result.duration_s:.0f} s"]
+    # The report a failing check refers to ("see the report above"), once per play that failed.
+    failed_plays = {f.play for f in result.failures}
+    shown: set[str] = set()
+    for report in result.reports:
+        if report.play in failed_plays and report.text not in shown:
+            shown.add(report.text)
+            lines.append(report.text)
     for f in result.failures[:8]:
         kind = "UNREACHABLE" if f.unreachable else "FAILED"
         lines.append(f"  {kind} host {f.host}, task '{f.task}':")
