@@ -133,33 +133,53 @@ def _transport(lines: list[str]) -> str | None:
     return ", ".join(f"{k}: {v}" for k, v in counts.items()) or None
 
 
-def print_status(summary: dict[str, Any]) -> None:
+def print_status(summary: dict[str, Any], console: Any = None) -> None:
+    """A table on a terminal; plain lines (one per node, nothing cut short) when the output goes elsewhere."""
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
-    table = Table(title=f"cluster {summary['cluster']}")
-    for col in ("node", "role", "containers", "image", "MemAvailable", "ray", "vllm"):
-        table.add_column(col)
+    console = console or Console()
+    columns = ("node", "role", "containers", "image", "memory", "ray", "vllm")
+    rows = []
     for name, node in summary["nodes"].items():
         containers = ", ".join(f"{c.get('Names')} ({c.get('State') or c.get('Status')})"
                                for c in node.get("containers", [])) or "none"
         versions = node.get("versions", {})
-        table.add_row(name, str(node.get("role")), containers, str(node.get("image_id", ""))[:19] or "absent",
-                      f"{int(node.get('mem_available_bytes') or 0) / (1 << 30):.1f} GiB",
-                      versions.get("ray") or "-", versions.get("vllm") or "-")
-    console.print(table)
+        image = str(node.get("image_id") or "").split(":")[-1][:12] or "absent"
+        rows.append((name, str(node.get("role")), containers, image,
+                     f"{int(node.get('mem_available_bytes') or 0) / (1 << 30):.1f} GiB free",
+                     versions.get("ray") or "-", versions.get("vllm") or "-"))
     ray, endpoint = summary["ray"], summary["endpoint"]
-    console.print(f"Ray: {ray['nodes']} node(s), {ray['gpus_total']:g} GPU(s) ({ray['gpus_used']:g} in use)")
-    health = "healthy" if endpoint["health"] == 200 else f"not answering ({endpoint['health']})"
-    console.print(f"endpoint {endpoint['url']}: {health}; models: {', '.join(endpoint['models']) or 'none'}")
-    for line in summary["kv_lines"]:
-        console.print(f"  {line.split('] ')[-1]}")
+    health = endpoint["health"]
+    health_text = ("healthy" if health == 200 else "not probed" if health is None
+                   else "not answering" if health in (-1, 0) else f"answers {health}")
+    lines = [f"Ray: {ray['nodes']} node(s), {ray['gpus_total']:g} GPU(s) ({ray['gpus_used']:g} in use)",
+             f"endpoint {endpoint['url']}: {health_text}; models: {', '.join(endpoint['models']) or 'none'}",
+             *(f"  {line.split('] ')[-1]}" for line in summary["kv_lines"])]
     if summary["transport"]:
-        console.print(f"NCCL transport: {summary['transport']}")
+        lines.append(f"NCCL transport: {summary['transport']}")
     last = summary.get("last_run")
     if last:
-        console.print(f"last run: {last.get('started')} {last.get('status')} ({last.get('file')})")
+        lines.append(f"last run: {last.get('started')} {last.get('status')} ({last.get('file')})")
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title=f"cluster {summary['cluster']}")
+        for i, col in enumerate(columns):
+            # Names are what a user copies into --limit: never shortened; the rest folds when the terminal is narrow.
+            table.add_column(col, no_wrap=i == 0, min_width=max([len(r[0]) for r in rows] + [4]) if i == 0 else None,
+                             overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        for line in lines:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    print(f"cluster {summary['cluster']}", file=console.file)
+    for row in rows:
+        print("  ".join([row[0], row[1], *(f"{col} {value}" for col, value in zip(columns[2:], row[2:], strict=True))]),
+              file=console.file)
+    for line in lines:
+        print(line, file=console.file)
 
 
 # --- run records --------------------------------------------------------------------------------------------------
