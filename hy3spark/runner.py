@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, Hy3SparkError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl+C; hy3spark.cli.main returns the same
@@ -113,20 +113,25 @@ def environ_without(names: list[str]) -> Iterator[dict[str, str]]:
 @contextlib.contextmanager
 def secrets_handover(names: list[str]) -> Iterator[dict[str, str]]:
     """Move the named variables out of os.environ into a 0600 file; restore everything afterwards."""
-    with environ_without(names) as saved:
-        tmpdir = tempfile.mkdtemp(prefix="hy3spark-secrets-")  # mkdtemp makes it 0700
-        path = Path(tmpdir) / "secrets.env"
+    with environ_without(names) as saved, _handover_file(saved) as path:
+        yield {"HY3SPARK_SECRETS_FILE": str(path)}
+
+
+@contextlib.contextmanager
+def _handover_file(saved: dict[str, str]) -> Iterator[Path]:
+    for key, value in saved.items():
+        if "\n" in value:
+            raise Hy3SparkError(f"{key} contains a newline; a secret must be one line")
+    tmpdir = tempfile.mkdtemp(prefix="hy3spark-secrets-")  # mkdtemp makes it 0700
+    path = Path(tmpdir) / "secrets.env"
+    try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
-            for key, value in saved.items():
-                if "\n" in value:
-                    raise ValueError(f"{key} contains a newline")
-                fh.write(f"{key}={value}\n")
-        try:
-            yield {"HY3SPARK_SECRETS_FILE": str(path)}
-        finally:
-            path.unlink(missing_ok=True)
-            os.rmdir(tmpdir)
+            fh.writelines(f"{key}={value}\n" for key, value in saved.items())
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+        os.rmdir(tmpdir)
 
 
 class Progress:
