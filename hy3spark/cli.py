@@ -14,7 +14,7 @@ from hy3spark.errors import EXIT_OK, Hy3SparkError
 
 EPILOG = """\
 exit codes: 0 ok; 1 a check, gate or task failed; 2 bad command-line usage; 3 invalid cluster spec;
-            4 a host was unreachable.
+            4 a host was unreachable; 130 interrupted (Ctrl+C).
 SPEC defaults to the embedded two-Spark Hy3 spec (the recipe's 10.0.0.1 / 10.0.0.2 pair on enp1s0f1np1).
 """
 
