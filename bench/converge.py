@@ -31,7 +31,9 @@ GOAL = 0.25
 
 
 def environment() -> dict[str, str]:
-    env = {**os.environ, "LC_ALL": "C.UTF-8", "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "PY_COLORS": "0"}
+    env = {**os.environ, "LC_ALL": "C.UTF-8", "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "PY_COLORS": "0",
+           # Seconds per role in each converge, to see where the second run's time goes.
+           "ANSIBLE_CALLBACKS_ENABLED": "ansible.posix.profile_roles"}
     env_file = ROOT / ".cache" / "images.env"
     if not env_file.is_file():
         raise SystemExit(f"bench: {env_file} is missing: run scripts/build-images and tests/engine_double/build-image")
@@ -53,6 +55,12 @@ def molecule(env: dict[str, str], *args: str, check: bool = True) -> tuple[float
     if check and proc.returncode != 0:
         raise SystemExit(f"bench: molecule {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}")
     return took, out
+
+
+def role_seconds(output: str) -> dict[str, float]:
+    """profile_roles' recap: `<role> ------- 12.34s` lines (roles imported by another role are listed separately)."""
+    recap = re.finditer(r"^\s*(?:│\s*)?(\S+) -{3,} (\d+\.\d+)s\s*$", output, re.M)
+    return {m.group(1): float(m.group(2)) for m in recap}
 
 
 def changed(output: str) -> dict[str, int]:
@@ -79,10 +87,14 @@ def main() -> int:
             second, out2 = molecule(env, "converge")
             result = {"run": run, "first_s": round(first, 1), "second_s": round(second, 1),
                       "ratio": round(second / first, 3), "second_changed": changed(out2),
-                      "first_changed": changed(out1), "load_1m_before": round(load, 1)}
+                      "first_changed": changed(out1), "load_1m_before": round(load, 1),
+                      "first_roles_s": role_seconds(out1), "second_roles_s": role_seconds(out2)}
             results.append(result)
             print(f"run {run}: first converge {first:6.1f} s, second {second:6.1f} s -> {second / first:5.1%} "
                   f"(second run changed: {result['second_changed']}; load {load:.1f})", flush=True)
+            for role in sorted(result["first_roles_s"], key=lambda r: -result["first_roles_s"][r]):
+                print(f"    {role:12s} first {result['first_roles_s'][role]:6.1f} s   "
+                      f"second {result['second_roles_s'].get(role, 0.0):6.1f} s", flush=True)
             if run < args.runs or not args.keep:
                 molecule(env, "destroy")
     except BaseException:
