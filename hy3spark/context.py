@@ -247,7 +247,9 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "argv": serve_argv,
             "command": " ".join(shlex.quote(a) for a in serve_argv),
             # Workers keep their own NCCL/UCX/GLOO settings: vLLM's Ray executor would copy the head's otherwise.
-            "non_carry_over_env": sorted(k for k in nodes[spec.head.name]["env"] if _per_node_env(k)),
+            # The secrets the serve script exports stay on the head too: vLLM copies VLLM_* and HF_TOKEN into the
+            # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.
+            "non_carry_over_env": sorted({k for k in nodes[spec.head.name]["env"] if _per_node_env(k)} | SECRET_ENV),
         },
         "ray": {
             "port": spec.ray.port,
@@ -286,6 +288,10 @@ def plan_summary(loaded: Loaded) -> dict[str, Any]:
         "errors": [p.message for p in plan.problems if p.severity == "error"],
         "warnings": [p.message for p in plan.problems if p.severity == "warning"],
     }
+
+
+# The variables the serve script exports from the 0600 secrets file (roles/vllm_serve/vars/main.yml).
+SECRET_ENV = frozenset({"VLLM_API_KEY", "HF_TOKEN"})
 
 
 def _per_node_env(name: str) -> bool:

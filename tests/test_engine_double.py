@@ -522,6 +522,8 @@ def test_each_rank_runs_on_its_own_node_with_its_own_env(serving: str) -> None:
     # ray_non_carry_over_env_vars.json lists NCCL_SOCKET_IFNAME: the worker keeps its own.
     assert workers[0]["env"]["NCCL_SOCKET_IFNAME"] == "eth-head"
     assert workers[1]["env"]["NCCL_SOCKET_IFNAME"] == "eth-w"
+    # Not listed here, the head's VLLM_API_KEY is copied to every rank, as vLLM does (hence hy3spark lists it).
+    assert [workers[r]["secret_env_names"] for r in (0, 1)] == [["VLLM_API_KEY"], ["VLLM_API_KEY"]]
     assert all(
         w["model_path"].startswith(f"{HUB}/models--kodelow--Hy3-NVFP4-W4A16/snapshots/") for w in workers.values()
     )

@@ -144,6 +144,7 @@ class LocalExecutor:
                 "hostname": os.uname().nodename,
                 "model_path": getattr(w, "model_path", None),
                 "env": {},
+                "secret_env_names": [],
             }
             for w in self.workers
         ]

@@ -26,6 +26,8 @@ from vllm.double.model import snapshot_dir, verify_files
 
 # What a worker reports back: its identity and the transport settings that must be per-node.
 REPORTED_ENV_PREFIXES = ("VLLM_HOST_IP", "NCCL_", "GLOO_", "TP_SOCKET_", "UCX_", "MASTER_ADDR", "OMPI_MCA_btl_tcp")
+# Secrets the driver may hold: a worker reports only WHICH of them reached it (never a value).
+SECRET_ENV = ("VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 def node_ip() -> str:
@@ -140,6 +142,7 @@ class RayWorkerWrapper:
             "nccl_transport": nccl.transport() if self.world_size > 1 else None,
             "model_path": getattr(self, "model_path", None),
             "env": env,
+            "secret_env_names": [k for k in SECRET_ENV if k in os.environ],
         }
 
     def ping(self) -> bool:
