@@ -100,6 +100,8 @@ def test_protect_keeps_sparkrun_config_once_with_its_provenance() -> None:
     backup = host.file(f"{BACKUP_DIR}/earlyoom.sparkrun.{sha1[:12]}")
     assert backup.content == SPARKRUN
     assert (backup.user, backup.mode) == ("root", 0o600)
+    # Only the backups are private: the state directory above them stays readable (other roles keep files there).
+    assert (host.file(BACKUP_DIR).mode, host.file(os.path.dirname(BACKUP_DIR)).mode) == (0o700, 0o755)
     # converge, idempotence and check ran: still exactly one copy and one record.
     assert sorted(host.file(BACKUP_DIR).listdir()) == sorted([f"earlyoom.sparkrun.{sha1[:12]}",
                                                                f"earlyoom.sparkrun.{sha1[:12]}.json"])
