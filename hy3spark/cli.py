@@ -284,36 +284,47 @@ def cmd_up(args: argparse.Namespace) -> int:
     loaded = _load(args.spec)
     runs = _runs_dir(args)
     started = operate.now()
-    result = operate._run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit)
+    result = operate.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit)
     summary = None
     if result.exit_code == EXIT_OK:
         _status_result, summary = operate.collect_status(loaded, runs, limit=args.limit)
     record = operate.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
     if not args.json:
         print(f"run record: {record}")
-    return operate._finish(result, args.json, {"record": str(record)})
+    return operate.finish(result, args.json, {"record": str(record)})
 
 
 def cmd_down(args: argparse.Namespace) -> int:
     from hy3spark import operate
 
     loaded = _load(args.spec)
-    result = operate._run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
+    result = operate.run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
                           limit=args.limit)
-    return operate._finish(result, args.json, reports=True)
+    return operate.finish(result, args.json, reports=True)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
     from hy3spark import operate
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
-    result = operate._run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
-    code = operate._finish(result, args.json, reports=True)
+    result = operate.run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
+    if args.json:
+        # One JSON document: the preflight run, and the dry run when it ran.
+        out: dict[str, object] = {"preflight": operate.payload(result, reports=True), "exit_code": result.exit_code}
+        if args.dry_run and result.exit_code == EXIT_OK:
+            dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
+                              diff=True)
+            out.update(dry_run=operate.payload(dry), exit_code=dry.exit_code)
+        print(json.dumps(out, indent=2, default=str))
+        return out["exit_code"]
+    code = operate.finish(result, args.json, reports=True)
     if args.dry_run and code == EXIT_OK:
-        dry = operate._run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                           diff=True)
-        code = operate._finish(dry, args.json)
+        dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
+                          diff=True)
+        code = operate.finish(dry, args.json)
     return code
 
 
@@ -325,7 +336,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     loaded = _load(args.spec)
     result, summary = operate.collect_status(loaded, _runs_dir(args), limit=args.limit)
     if result.exit_code != EXIT_OK:
-        return operate._finish(result, args.json)
+        return operate.finish(result, args.json)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:

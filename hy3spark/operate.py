@@ -49,26 +49,30 @@ def render_inventory(loaded: Loaded, runs_dir: Path) -> Path:
     return target / "inventory" / "hosts.yml"
 
 
-def _run(loaded: Loaded, playbook: str, runs_dir: Path, title: str, **kwargs: Any) -> RunResult:
+def run(loaded: Loaded, playbook: str, runs_dir: Path, title: str, **kwargs: Any) -> RunResult:
     inventory = render_inventory(loaded, runs_dir)
     with Progress(title) as progress:
         return run_playbook(playbook, inventory, runs_dir=runs_dir, secret_names=secret_names(loaded),
                             progress=progress, **kwargs)
 
 
-def _finish(result: RunResult, json_out: bool, extra: dict[str, Any] | None = None, reports: bool = False) -> int:
+def payload(result: RunResult, extra: dict[str, Any] | None = None, reports: bool = False) -> dict[str, Any]:
+    """A run's outcome as `--json` prints it."""
+    return {
+        "playbook": result.playbook, "status": result.status, "rc": result.rc, "exit_code": result.exit_code,
+        "duration_s": result.duration_s, "phases": result.phases,
+        "failures": [f.__dict__ for f in result.failures], "artifacts": str(result.private_data_dir),
+        **({"reports": [r.__dict__ for r in result.reports]} if reports else {}),
+        **({"diffs": result.diffs} if result.diffs else {}),
+        **(extra or {}),
+    }
+
+
+def finish(result: RunResult, json_out: bool, extra: dict[str, Any] | None = None, reports: bool = False) -> int:
     """The outcome on stdout (JSON or a line) and a failure's summary on stderr; before them what would change (a
     diff-mode run) and, with `reports`, what the run's report tasks printed (preflight table, teardown's memory)."""
     if json_out:
-        payload = {
-            "playbook": result.playbook, "status": result.status, "rc": result.rc, "exit_code": result.exit_code,
-            "duration_s": result.duration_s, "phases": result.phases,
-            "failures": [f.__dict__ for f in result.failures], "artifacts": str(result.private_data_dir),
-            **({"reports": [r.__dict__ for r in result.reports]} if reports else {}),
-            **({"diffs": result.diffs} if result.diffs else {}),
-            **(extra or {}),
-        }
-        print(json.dumps(payload, indent=2, default=str))
+        print(json.dumps(payload(result, extra, reports), indent=2, default=str))
         return result.exit_code
     if reports and result.exit_code == EXIT_OK:
         for report in result.reports:
@@ -97,7 +101,7 @@ def parse_ray_status(text: str) -> dict[str, Any]:
 
 
 def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> tuple[RunResult, dict[str, Any]]:
-    result = _run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
+    result = run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
     nodes = {host: data.get("hy3spark_report_status", {}) for host, data in result.results.items()}
     head = nodes.get(loaded.spec.head.name, {})
     lines = current_engine_lines([plain(str(x)) for x in head.get("log_lines", [])])
