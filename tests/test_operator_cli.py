@@ -394,9 +394,11 @@ def test_up_deploys_and_records_the_run(cluster: Cluster) -> None:
     assert record["transport"] and "NET/IB" in record["transport"] and "Socket" not in record["transport"]
     assert record["ray"] == {"nodes": 2, "gpus_total": 2.0, "gpus_used": 2.0}
     assert list(record["phases_s"]) == [
-        "Preflight every node before changing anything", "Configure the fabric and SSH between the nodes",
+        "Compare every node with its last complete run", "Preflight every node before changing anything",
+        "Configure the fabric and SSH between the nodes",
         "Check the fabric end to end", "Reconcile earlyoom with the spec's policy",
-        "Distribute the engine image and the model", "Start the Ray head", "Join the Ray workers", "Serve the model"]
+        "Distribute the engine image and the model", "Start the Ray head", "Join the Ray workers", "Serve the model",
+        "Record the deployment, or check the endpoint"]
     assert all(t > 0 for t in record["phases_s"].values())
     assert sum(record["phases_s"].values()) <= record["duration_s"] + 1
 
@@ -546,6 +548,14 @@ def test_check_prints_the_preflight_table_and_a_dry_run_changes_nothing(cluster:
     assert re.search(r"^-.*--no-such-flag", proc.stdout, re.M)
     assert node_sh(HEAD, f"sha256sum {script}") == before
     assert health() != 200
+    # --json: ONE document holding both runs.
+    proc = cluster.cli("check", str(cluster.spec), "--dry-run", "--json", "--tags", "serve", "--runs-dir",
+                       str(cluster.runs))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    both = json.loads(proc.stdout)
+    assert (both["preflight"]["playbook"], both["dry_run"]["playbook"], both["exit_code"]) == (
+        "playbooks/preflight.yml", "site.yml", 0)
+    assert any(script in d for d in both["dry_run"]["diffs"])
 
 
 def test_interrupted_check_exits_130(cluster: Cluster) -> None:

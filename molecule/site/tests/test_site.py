@@ -29,6 +29,7 @@ API_KEY = os.environ.get(KEY_ENV, "")
 SERVED = "hy3"
 RENDERED = SCENARIO / ".rendered"
 RUN_FILE = "/var/lib/hy3spark/serve.json"
+DRIFT_RECORD = "/var/lib/hy3spark/deployed.json"
 SERVE_LOG = "/var/log/hy3spark/serve.log"
 MODEL_SNAPSHOT = ("/var/lib/hy3spark/hub/models--kodelow--Hy3-NVFP4-W4A16/snapshots/"
                   "5173a1f0c0ffee5173a1f0c0ffee5173a1f0c0ff")
@@ -146,8 +147,8 @@ def test_ray_non_carry_over_list_is_on_every_node(name: str) -> None:
     f = node(name).file("/etc/hy3spark/vllm/ray_non_carry_over_env_vars.json")
     rendered = RENDERED / "files" / HEAD / "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json"
     assert f.content_string == rendered.read_text()
-    assert {"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES"} <= set(
-        json.loads(f.content_string))
+    assert {"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "UCX_NET_DEVICES", "VLLM_API_KEY",
+            "HF_TOKEN"} <= set(json.loads(f.content_string))
 
 
 def test_serve_script_and_secrets_file() -> None:
@@ -195,6 +196,8 @@ def test_each_rank_kept_its_own_node_settings() -> None:
     assert {r["node_ip"]: r["vllm_host_ip"] for r in ranks} == {ip: ip for ip in FABRIC_IP.values()}
     # Each rank loaded the model on its own node, at the same path (model_sync's copy on the worker).
     assert {r["model_path"] for r in ranks} == {MODEL_SNAPSHOT}
+    # The head's API key stayed on the head: the engine copies VLLM_* to the workers unless the list names it.
+    assert {r["hostname"]: r["secret_env_names"] for r in ranks} == {name: [] for name in FABRIC_IP}
 
 
 def test_engine_output_reaches_docker_logs_and_the_serve_log() -> None:
@@ -239,6 +242,66 @@ def test_idempotent_run_left_the_engine_and_containers_alone() -> None:
     for name in NODES:
         assert inspect(name)["Id"] == record["containers"][name]
     assert inspect(HEAD)["State"]["StartedAt"] == record["head_started_at"]
+
+
+# --- re-runs: in sync, forced, and after a hand edit -----------------------------------------------------------------
+
+
+def recap_ok(output: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=(\d+)\s+changed=", output, re.M)}
+
+
+def flat(output: str) -> str:
+    """The output with YAML-callback line folding undone."""
+    return " ".join(output.split())
+
+
+def test_deployment_record_is_private_and_holds_no_secret() -> None:
+    for name in NODES:
+        record = node(name).file(DRIFT_RECORD)
+        assert (record.mode, record.user) == (0o600, "root")
+        assert API_KEY not in record.content_string
+        state = json.loads(record.content_string)["state"]
+        assert state["containers"][CONTAINER[name]]["id"] == inspect(name)["Id"]
+        assert "/etc/hy3spark" in state["trees"] and state["trees"]["/etc/hy3spark"]["node.env"]["mode"] == "0600"
+
+
+def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
+    result = playbook(str(SCENARIO / "converge.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "Every node matches its last complete run" in flat(out), out
+    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    # The drift check and the completion only: no role task ran (each would add to ok=).
+    assert all(ok <= 10 for ok in recap_ok(out).values()), out
+    assert f"{SERVED} answered: " in out, out
+    assert API_KEY not in out
+
+
+def test_forced_full_run_changes_and_restarts_nothing() -> None:
+    result = playbook(str(SCENARIO / "converge.yml"), "-e", "drift_full_run=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "drift_full_run is set: every role runs." in flat(out), out
+    assert all(ok > 50 for ok in recap_ok(out).values()), out
+    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    test_idempotent_run_left_the_engine_and_containers_alone()
+
+
+def test_hand_edit_on_one_node_runs_the_roles_and_is_repaired() -> None:
+    earlyoom = "/etc/default/earlyoom"
+    before = node(WORKER).file(earlyoom).content_string
+    node(WORKER).check_output(f"sh -c 'echo \"# edited by hand\" >> {earlyoom}'")
+    result = playbook(str(SCENARIO / "converge.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert f"{HEAD}: matches; {WORKER}: files {earlyoom}" in flat(out), out
+    changed = recap_changed(out)
+    assert changed[HEAD] == 0 and changed[WORKER] > 0, out
+    assert node(WORKER).file(earlyoom).content_string == before
+    test_idempotent_run_left_the_engine_and_containers_alone()
+    again = playbook(str(SCENARIO / "converge.yml"))
+    assert "Every node matches its last complete run" in flat(again.stdout), again.stdout
 
 
 # --- faults: each failing run names its cause, and the next clean run recovers -------------------------------------
