@@ -2,10 +2,12 @@
 """Converge benchmark (a script, not a test): the second `site` converge's wall time over the first, same run.
 
 The first converge takes two bare test nodes (molecule/site: dnodes with the serving image and the synthetic model
-already in place, as prepare.yml leaves them) to a serving, verified endpoint: Ray head and worker containers,
-the cluster gate, the engine started and gated on /health and a completion. The second changes nothing: every
-check runs again (env files, containers, Ray's node and GPU count, the engine's stamp, /health, one completion)
-and must report changed=0. Goal: the second run takes at most 25% of the first.
+already in place, as prepare.yml leaves them) to a serving, verified endpoint with site.yml: the drift check (no
+record yet), preflight, network, earlyoom, distribution, Ray head and worker containers, the cluster gate, the
+engine started and gated on /health and a completion, each node's deployment record. The second changes nothing:
+the drift check compares every node with its record (inputs hash, managed files, interfaces, earlyoom, image,
+containers, engine processes, model cache, /health), skips the roles and sends one completion, and must report
+changed=0. Goal: the second run takes at most 25% of the first.
 
     .venv/bin/python bench/converge.py [--runs 1] [--keep] [--json out.json]
 
