@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from hy3spark import __version__
-from hy3spark.errors import EXIT_OK, Hy3SparkError
+from hy3spark.errors import EXIT_FAILED, EXIT_OK, Hy3SparkError
 
 EPILOG = """\
 exit codes: 0 ok; 1 a check, gate or task failed; 2 bad command-line usage; 3 invalid cluster spec;
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model, Ray head and workers, vLLM) with live progress, and write a run record "
                                    "(JSON under runs/records/ and one line in runs/labbook.md).")
     ops(p)
+    p.add_argument("--full-run", action="store_true",
+                   help="run every role even when every node matches its last complete run (site.yml's drift "
+                        "check would otherwise skip them and only check the endpoint)")
     p.set_defaults(func=cmd_up)
     p = sub.add_parser("down", help="tear down: stop serving, then workers, then the head",
                        description="Run playbooks/teardown.yml: stop the engine, remove the worker containers, then "
@@ -106,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--dry-run also runs site.yml with --check --diff and shows what would change.")
     ops(p)
     p.add_argument("--dry-run", action="store_true", help="also run site.yml in check + diff mode")
+    p.add_argument("--full-run", action="store_true",
+                   help="with --dry-run: check every role even when every node matches its last complete run")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("status", help="nodes, containers, Ray nodes/GPUs, endpoint health, KV lines, last run",
                        description="Collect, read-only, what runs on every node and print one table.")
@@ -278,15 +283,21 @@ def _runs_dir(args: argparse.Namespace) -> Path:
     return (args.runs_dir or DEFAULT_RUNS_DIR).resolve()
 
 
+def _full_run(args: argparse.Namespace) -> dict[str, bool] | None:
+    return {"drift_full_run": True} if args.full_run else None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from hy3spark import operate
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
     started = operate.now()
-    result = operate.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit)
+    result = operate.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit,
+                         extravars=_full_run(args))
     summary = None
-    if result.exit_code == EXIT_OK:
+    # What runs now (image IDs, versions, containers, KV lines), also after a failed step: the nodes answered.
+    if result.exit_code in (EXIT_OK, EXIT_FAILED):
         _status_result, summary = operate.collect_status(loaded, runs, limit=args.limit)
     record = operate.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
     if not args.json:
@@ -316,14 +327,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         out: dict[str, object] = {"preflight": operate.payload(result, reports=True), "exit_code": result.exit_code}
         if args.dry_run and result.exit_code == EXIT_OK:
             dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                              diff=True)
+                              diff=True, extravars=_full_run(args))
             out.update(dry_run=operate.payload(dry), exit_code=dry.exit_code)
         print(json.dumps(out, indent=2, default=str))
         return out["exit_code"]
     code = operate.finish(result, args.json, reports=True)
     if args.dry_run and code == EXIT_OK:
         dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                          diff=True)
+                          diff=True, extravars=_full_run(args))
         code = operate.finish(dry, args.json)
     return code
 

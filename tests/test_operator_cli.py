@@ -408,6 +408,25 @@ def test_up_deploys_and_records_the_run(cluster: Cluster) -> None:
     cluster.state["record"] = path
 
 
+def test_second_up_finds_the_cluster_in_sync_and_full_run_changes_nothing(cluster: Cluster) -> None:
+    engine = re.compile(rf"^  {HEAD}\s+(ok|changed)\s+Run container {CONTAINERS[HEAD]}$", re.M)
+    proc = cluster.cli("up", str(cluster.spec), "--runs-dir", str(cluster.runs))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    # The drift check found every node as recorded: the roles were skipped, one completion checked the endpoint.
+    assert re.search(rf"^  {HEAD}\s+ok\s+Check that the endpoint answered with text$", proc.stderr, re.M), proc.stderr
+    assert not engine.search(proc.stderr) and not re.search(r"^  \S+\s+changed\s", proc.stderr, re.M), proc.stderr
+    _path, record = record_of(proc.stdout)
+    assert record["status"] == "successful" and record["image_ids"][HEAD].startswith("sha256:")
+    # --full-run: every role runs again, and changes nothing.
+    proc = cluster.cli("up", str(cluster.spec), "--full-run", "--runs-dir", str(cluster.runs))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert engine.search(proc.stderr), proc.stderr
+    assert not re.search(r"^  \S+\s+changed\s", proc.stderr, re.M), proc.stderr
+    path, record = record_of(proc.stdout)
+    assert record["status"] == "successful" and record["kv_lines"]
+    cluster.state["record"] = path  # this cluster's last run, for the status tests
+
+
 def test_unreachable_host_exits_4_naming_it(cluster: Cluster) -> None:
     # Another cluster in the same runs directory, on addresses of the management network where nothing answers.
     spec = cluster.spec_file("nobody.yml", SPEC.replace(f"name: {CLUSTER}", "name: cli-nobody")
@@ -520,6 +539,9 @@ def test_failing_up_names_the_host_and_the_task(cluster: Cluster) -> None:
     assert record["status"] == "failed" and record["exit_code"] == 1
     assert [f["host"] for f in record["failures"]] == [HEAD]
     assert record["phases_s"]["Serve the model"] > 0
+    # What ran when it failed is on record too.
+    assert set(record["image_ids"]) == {HEAD, WORKER} and record["image_ids"][HEAD].startswith("sha256:")
+    assert record["versions"]["ray"] == "2.60.0"
 
 
 def test_status_after_a_failed_start_shows_no_stale_engine_lines(cluster: Cluster) -> None:
