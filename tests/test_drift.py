@@ -71,6 +71,13 @@ def test_each_kind_of_change_is_named(drift: ModuleType, node: Path) -> None:
     ]
 
 
+def test_hub_markers_of_absent_files_are_not_model_content(drift: ModuleType, node: Path) -> None:
+    record = snapshot(drift, node)
+    (node / "hub/.no_exist/rev").mkdir(parents=True)
+    (node / "hub/.no_exist/rev/generation_config.json").write_text("")
+    assert drift.differences(record, snapshot(drift, node)) == []
+
+
 def test_a_relinked_snapshot_is_a_change(drift: ModuleType, node: Path) -> None:
     record = snapshot(drift, node)
     link = node / "hub/snapshots/rev/model.safetensors"
@@ -108,3 +115,16 @@ def test_content_hash_follows_the_roles_and_ignores_caches(tmp_path: Path) -> No
     defaults = tmp_path / "roles/drift/defaults/main.yml"
     defaults.write_text(defaults.read_text() + "# changed\n")
     assert content.content_sha256(tmp_path) != before
+
+
+def test_interfaces_are_their_configured_addresses_and_mtu(drift: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ip -j addr show dev X` as iproute2 prints it: only the configured addresses count, not the ones the kernel
+    adds and rotates by itself (link-local, SLAAC/privacy addresses marked dynamic)."""
+    shown = [{"ifname": "enp1s0f1np1", "mtu": 9000, "operstate": "UP", "addr_info": [
+        {"family": "inet", "local": "10.0.0.2", "prefixlen": 24, "scope": "global"},
+        {"family": "inet6", "local": "fd00::2", "prefixlen": 64, "scope": "global", "dynamic": True},
+        {"family": "inet6", "local": "fe80::1", "prefixlen": 64, "scope": "link"}]}]
+    monkeypatch.setattr(drift, "run", lambda argv: (0, json.dumps(shown)))
+    assert drift.interface_state("enp1s0f1np1") == {"mtu": 9000, "addresses": ["10.0.0.2/24"]}
+    monkeypatch.setattr(drift, "run", lambda argv: (1, ""))
+    assert drift.interface_state("enp1s0f1np1") == "missing"

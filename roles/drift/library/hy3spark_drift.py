@@ -101,7 +101,8 @@ def model_state(root: str) -> object:
         return "missing"
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        # huggingface_hub's markers of files a repo does not have (written when the engine looks for one): not model.
+        dirnames[:] = sorted(d for d in dirnames if d != ".no_exist")
         for name in sorted(filenames) + sorted(d for d in dirnames if os.path.islink(os.path.join(dirpath, d))):
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
@@ -124,7 +125,12 @@ def interface_state(name: str) -> object:
     if rc != 0 or not out.strip():
         return "missing"
     link = json.loads(out)[0]
-    addrs = sorted(f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", []) if a.get("scope") != "link")
+    # The configured addresses: link-local and dynamic ones (SLAAC, privacy addresses) come and go by themselves.
+    addrs = sorted(
+        f"{a['local']}/{a['prefixlen']}"
+        for a in link.get("addr_info", [])
+        if a.get("scope") != "link" and not a.get("dynamic")
+    )
     return {"mtu": link.get("mtu"), "addresses": addrs}
 
 
