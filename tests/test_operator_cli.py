@@ -413,7 +413,7 @@ def test_second_up_finds_the_cluster_in_sync_and_full_run_changes_nothing(cluste
     proc = cluster.cli("up", str(cluster.spec), "--runs-dir", str(cluster.runs))
     assert proc.returncode == 0, proc.stderr[-6000:]
     # The drift check found every node as recorded: the roles were skipped, one completion checked the endpoint.
-    assert re.search(rf"^  {HEAD}\s+ok\s+Check that the endpoint answered with text$", proc.stderr, re.M), proc.stderr
+    assert re.search(rf"^  {HEAD}\s+ok\s+Check that the completion returned text$", proc.stderr, re.M), proc.stderr
     assert not engine.search(proc.stderr) and not re.search(r"^  \S+\s+changed\s", proc.stderr, re.M), proc.stderr
     _path, record = record_of(proc.stdout)
     assert record["status"] == "successful" and record["image_ids"][HEAD].startswith("sha256:")
