@@ -1,4 +1,4 @@
-"""The NCCL transport gate against real NCCL logs (shared/fixtures/nccl) and against lines built from NCCL's format."""
+"""The NCCL transport gate against real NCCL logs (tests/fixtures/nccl) and against lines built from NCCL's format."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import pytest
 from hy3spark.nccl import Transport, classify, gate, parse_logs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# In CI the repo is cloned somewhere else with a copy of shared/ beside it, as /work/main and /work/shared are here.
-FIXTURES = REPO_ROOT.parent / "shared" / "fixtures" / "nccl"
+# Real logs, copied into the repo (their README says from where): a public clone has nothing beside it.
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "nccl"
 
 
 @pytest.fixture(scope="module")
 def fixtures() -> Path:
     # Fail, never skip: without the real logs these tests would prove nothing.
     if not sorted(FIXTURES.glob("nccl-*-rank*.log")):
-        pytest.fail(f"real NCCL fixtures not found in {FIXTURES}: put a copy of shared/ beside the repository")
+        pytest.fail(f"real NCCL fixtures not found in {FIXTURES}: they are part of the repository, restore them")
     return FIXTURES
 
 

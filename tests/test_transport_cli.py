@@ -1,16 +1,16 @@
-"""`hy3spark transport`: the NCCL gate from the command line, on the real fixture logs (../shared/fixtures/nccl)."""
+"""`hy3spark transport`: the NCCL gate from the command line, on the real fixture logs (tests/fixtures/nccl)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "nccl"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nccl"
 
 
 def _fixture(name: str) -> str:
     path = FIXTURES / name
-    assert path.is_file(), f"{path} is missing: the real NCCL logs live in ../shared/fixtures/nccl beside the repo"
+    assert path.is_file(), f"{path} is missing: the real NCCL logs are part of the repo (tests/fixtures/nccl)"
     return str(path)
 
 
