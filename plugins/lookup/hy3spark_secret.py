@@ -50,7 +50,7 @@ def _from_file(name: str) -> str | None:
 
 
 class LookupModule(LookupBase):
-    def run(self, terms, variables=None, **kwargs):  # noqa: ANN001, ANN201 - Ansible's plugin signature
+    def run(self, terms, variables=None, **kwargs):  # Ansible's plugin signature, untyped
         self.set_options(var_options=variables, direct=kwargs)
         required = self.get_option("required")
         values = []

@@ -24,6 +24,7 @@ options:
   owner: {description: User that owns the model's directory afterwards (the one that syncs it)., type: str}
 """
 
+import contextlib
 import os
 import pwd
 import re
@@ -42,10 +43,8 @@ def tree_state(repo_dir):
             full = os.path.join(dirpath, name)
             if name.endswith(".incomplete") or name.endswith(".lock"):
                 continue
-            try:
+            with contextlib.suppress(OSError):  # removed while we walk: not part of the state
                 state[os.path.relpath(full, repo_dir)] = os.lstat(full).st_size
-            except OSError:
-                pass
     for ref_dir, _d, names in os.walk(os.path.join(repo_dir, "refs")):
         for name in names:
             with open(os.path.join(ref_dir, name)) as fh:
@@ -90,10 +89,10 @@ def main():
         import huggingface_hub
         from huggingface_hub import snapshot_download
     except ImportError as exc:
-        module.fail_json(msg="huggingface_hub is not importable by %s: %s" % (sys.executable, exc))
+        module.fail_json(msg=f"huggingface_hub is not importable by {sys.executable}: {exc}")
 
     org, name = p["repo"].split("/", 1)
-    repo_dir = os.path.join(p["cache_dir"], "models--%s--%s" % (org, name))
+    repo_dir = os.path.join(p["cache_dir"], f"models--{org}--{name}")
     token = p["token"] or None
     before = tree_state(repo_dir)
     result = {"changed": False, "repo_dir": repo_dir, "huggingface_hub": huggingface_hub.__version__}
@@ -104,20 +103,20 @@ def main():
         try:
             local = snapshot_download(p["repo"], revision=p["revision"], cache_dir=p["cache_dir"],
                                       local_files_only=True)
-        except Exception:  # noqa: BLE001 - any failure means "not complete locally"
+        except Exception:  # any failure means "not complete locally"
             local = None
     if local is not None and SHA1.match(p["revision"]):
         snapshot = local
     elif module.check_mode:
-        module.exit_json(msg="would download %s@%s into %s" % (p["repo"], p["revision"], p["cache_dir"]),
+        module.exit_json(msg=f"would download {p['repo']}@{p['revision']} into {p['cache_dir']}",
                          **dict(result, changed=local is None, snapshot=local))
     else:
         try:
             snapshot = snapshot_download(p["repo"], revision=p["revision"], cache_dir=p["cache_dir"], token=token,
                                          max_workers=p["max_workers"])
-        except Exception as exc:  # noqa: BLE001 - reported with the hub's own message
-            module.fail_json(msg="snapshot_download(%s, revision=%s) failed: %s: %s"
-                                 % (p["repo"], p["revision"], type(exc).__name__, exc), **result)
+        except Exception as exc:
+            module.fail_json(msg=f"snapshot_download({p['repo']}, revision={p['revision']}) failed: "
+                                 f"{type(exc).__name__}: {exc}", **result)
     after = tree_state(repo_dir)
     result["changed"] = after != before
     result["added"] = sorted(k for k in after if k not in before)

@@ -68,7 +68,7 @@ def manifest_from_cache(repo_dir, commit):
             lfs = info.get("lfs_sha256")
             files.append({"path": path, "size": int(info["size"]), "sha256": lfs,
                           "git_sha1": None if lfs else info.get("blob_id")})
-        return files, "trees/%s.json" % commit
+        return files, f"trees/{commit}.json"
     for dirpath, dirnames, filenames in os.walk(snapshot):
         dirnames.sort()
         for name in sorted(filenames):
@@ -141,8 +141,8 @@ def main():
     if expected is None:
         commit = resolve_commit(repo_dir, revision)
         if commit is None or not os.path.isdir(os.path.join(repo_dir, "snapshots", commit)):
-            module.fail_json(msg="%s has no snapshot for revision %s (refs/%s missing or no snapshots/<commit>/)"
-                                 % (repo_dir, revision, revision), commit=commit)
+            module.fail_json(msg=f"{repo_dir} has no snapshot for revision {revision} (refs/{revision} missing or "
+                                 "no snapshots/<commit>/)", commit=commit)
         files, tree_file = manifest_from_cache(repo_dir, commit)
         meta_files = ([] if SHA1.match(revision) else ["refs/" + revision]) + ([tree_file] if tree_file else [])
     else:
@@ -176,7 +176,7 @@ def main():
     hashed = 0
     with ThreadPoolExecutor(max_workers=max(1, p["threads"])) as pool:
         results = pool.map(lambda item: hash_file(item[1], item[2][0], item[3]), to_hash)
-        for (entry, _full, stamp, _kind), digest in zip(to_hash, results):
+        for (entry, _full, stamp, _kind), digest in zip(to_hash, results, strict=True):
             new_state[entry["path"]] = {"stamp": stamp, **digest}
             hashed += stamp[0]
     for entry in files:
@@ -230,9 +230,9 @@ def main():
         "free_bytes": free_bytes(repo_dir),
     }
     if problems and p["fail_on_problems"]:
-        names = ", ".join("%s (%s)" % (x["path"], x["problem"]) for x in problems)
-        module.fail_json(msg="%d file(s) of %s@%s are missing or wrong on this node: %s"
-                             % (len(problems), os.path.basename(repo_dir), commit, names), **result)
+        names = ", ".join(f"{x['path']} ({x['problem']})" for x in problems)
+        module.fail_json(msg=f"{len(problems)} file(s) of {os.path.basename(repo_dir)}@{commit} are missing or wrong "
+                             f"on this node: {names}", **result)
     module.exit_json(**result)
 
 
