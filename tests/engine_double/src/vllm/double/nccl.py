@@ -1,11 +1,14 @@
 """What NCCL prints on each rank when ``NCCL_DEBUG=INFO`` (hy3spark's transport gate reads it).
 
-The double fakes the RDMA NIC along with the GPU. The transport a rank reports:
-
-- ``NET/IB`` with GPUDirect RDMA (``via NET/IB/0/GDRDMA``) when the rank's environment enables InfiniBand:
-  ``NCCL_IB_HCA`` set and ``NCCL_IB_DISABLE`` not 1, i.e. the node's env file reached the container;
-- ``NET/Socket`` (the silent TCP fallback) otherwise;
-- ``VLLM_DOUBLE_NCCL_NET=IB`` or ``=Socket`` forces one.
+The double fakes the RDMA NIC along with the GPU. The TEST decides the transport a rank reports, through
+``VLLM_DOUBLE_NCCL_NET`` (a VLLM_ variable, so vLLM's Ray executor copies it from the head to every rank): a
+comma-separated list of ``[WHO=]IB|Socket``, where WHO is a rank's host name or its ``VLLM_HOST_IP``. The first
+entry naming the rank wins, then an entry without WHO. ``IB=`` means ``NET/IB`` with GPUDirect RDMA (``via
+NET/IB/0/GDRDMA``), ``Socket`` the silent TCP fallback (``via NET/Socket/0``). Examples: ``Socket`` (every rank
+falls back), ``site-worker=Socket`` (only that node), ``10.95.0.12=Socket,IB``. A rank the variable does not decide
+uses RDMA when its environment enables InfiniBand (``NCCL_IB_HCA`` set and ``NCCL_IB_DISABLE`` not 1, i.e. the
+node's env file reached the container) and the TCP fallback otherwise. A malformed value stops the rank with an
+error naming the variable, as a test's typo must not pass silently.
 
 Lines follow NCCL 2.28's format (``host:pid:tid [cudaDev] NCCL INFO ...``, see shared/fixtures/nccl/) and go to
 stdout, or to ``NCCL_DEBUG_FILE`` (``%h`` = hostname, ``%p`` = pid) when set, as NCCL does. One communicator over all
@@ -22,10 +25,30 @@ import sys
 VERSION = "2.28.9+cuda13.0"
 
 
-def transport() -> str:
-    forced = os.environ.get("VLLM_DOUBLE_NCCL_NET", "").strip().lower()
-    if forced in ("ib", "socket"):
-        return "IB" if forced == "ib" else "Socket"
+def _forced(host: str, ip: str) -> str | None:
+    raw = os.environ.get("VLLM_DOUBLE_NCCL_NET", "").strip()
+    if not raw:
+        return None
+    default = None
+    for item in raw.split(","):
+        who, sep, net = item.strip().rpartition("=")
+        value = {"ib": "IB", "socket": "Socket"}.get(net.strip().lower())
+        if value is None:
+            raise ValueError(f"VLLM_DOUBLE_NCCL_NET={raw!r}: {item.strip()!r} is not [HOST|IP=]IB or [HOST|IP=]Socket")
+        if not sep:
+            default = default or value
+        elif who.strip() in (host, ip):
+            return value
+    return default
+
+
+def transport(host: str | None = None, ip: str | None = None) -> str:
+    """The transport this rank reports: what the test asked for (VLLM_DOUBLE_NCCL_NET), else what its env allows."""
+    host = host if host is not None else socket.gethostname()
+    ip = ip if ip is not None else os.environ.get("VLLM_HOST_IP", "")
+    forced = _forced(host, ip)
+    if forced is not None:
+        return forced
     if os.environ.get("NCCL_IB_DISABLE", "0").strip() == "1" or not os.environ.get("NCCL_IB_HCA", "").strip():
         return "Socket"
     return "IB"
@@ -38,7 +61,7 @@ def hcas() -> list[str]:
 
 def lines(rank: int, world: int, nodes: int, ip: str) -> list[str]:
     ifname = os.environ.get("NCCL_SOCKET_IFNAME", "").strip() or "eth0"
-    net = transport()
+    net = transport(socket.gethostname(), ip)
     out = []
     for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA"):
         if name in os.environ:

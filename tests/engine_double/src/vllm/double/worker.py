@@ -139,7 +139,7 @@ class RayWorkerWrapper:
             "node_ip": ray.util.get_node_ip_address(),
             "vllm_host_ip": os.environ.get("VLLM_HOST_IP"),
             "hostname": socket.gethostname(),
-            "nccl_transport": nccl.transport() if self.world_size > 1 else None,
+            "nccl_transport": nccl.transport(socket.gethostname(), node_ip()) if self.world_size > 1 else None,
             "model_path": getattr(self, "model_path", None),
             "env": env,
             "secret_env_names": [k for k in SECRET_ENV if k in os.environ],
