@@ -288,6 +288,19 @@ def test_forced_full_run_changes_and_restarts_nothing() -> None:
     test_idempotent_run_left_the_engine_and_containers_alone()
 
 
+def test_check_mode_of_every_role_on_a_healthy_cluster() -> None:
+    # Molecule's own check step meets an in-sync cluster, where the drift check skips every role: so the roles'
+    # check mode runs here, forced through all of them. Nothing would change, and check mode must not touch anything.
+    result = playbook(str(SCENARIO / "converge.yml"), "--check", "--diff", "-e", "drift_full_run=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "drift_full_run is set: every role runs." in flat(out), out
+    assert all(ok > 50 for ok in recap_ok(out).values()), out
+    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    assert API_KEY not in out
+    test_idempotent_run_left_the_engine_and_containers_alone()
+
+
 def test_hand_edit_on_one_node_runs_the_roles_and_is_repaired() -> None:
     earlyoom = "/etc/default/earlyoom"
     before = node(WORKER).file(earlyoom).content_string
@@ -334,15 +347,22 @@ def test_fault_worker_dies_before_serving() -> None:
     test_completion_returns_text()
 
 
-def test_fault_engine_exits_at_startup() -> None:
-    variant = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "fault-unknown-flag"
-    spec = (SCENARIO / "cluster.yml").read_text().replace(
-        "  health_timeout_s: 180\n", "  health_timeout_s: 180\n  extra_args: [--no-such-flag]\n")
-    variant.mkdir(exist_ok=True)
-    (variant / "cluster.yml").write_text(spec)
-    render = [sys.executable, "-m", "hy3spark", "render", str(variant / "cluster.yml"), "--out", str(variant / "out")]
+def variant(name: str, old: str, new: str) -> Path:
+    """The scenario's spec with one edit, rendered: its group_vars file, to pass as `-e @file` over the inventory."""
+    directory = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / name
+    spec = (SCENARIO / "cluster.yml").read_text()
+    assert old in spec, f"{old!r} is not in cluster.yml"
+    directory.mkdir(exist_ok=True)
+    (directory / "cluster.yml").write_text(spec.replace(old, new))
+    render = [sys.executable, "-m", "hy3spark", "render", str(directory / "cluster.yml"), "--out",
+              str(directory / "out")]
     subprocess.run(render, cwd=REPO, check=True, capture_output=True)
-    group_vars = variant / "out/inventory/group_vars/all/hy3spark.yml"
+    return directory / "out/inventory/group_vars/all/hy3spark.yml"
+
+
+def test_fault_engine_exits_at_startup() -> None:
+    group_vars = variant("fault-unknown-flag", "  health_timeout_s: 180\n",
+                         "  health_timeout_s: 180\n  extra_args: [--no-such-flag]\n")
     result = playbook(str(SCENARIO / "converge.yml"), "-e", f"@{group_vars}")
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
@@ -353,6 +373,31 @@ def test_fault_engine_exits_at_startup() -> None:
     record = run_record()
     assert "--no-such-flag" not in record["argv"]
     assert engine_pids() == [record["engine_pid"]]
+    test_completion_returns_text()
+
+
+def test_fault_nccl_falls_back_to_sockets_on_the_worker() -> None:
+    # The engine double's NIC is fake, so the test decides what NCCL reports: here the worker's rank finds no usable
+    # RDMA device and NCCL silently takes TCP (NET/Socket), as on a Spark whose HCA names are wrong. The engine
+    # starts and answers; the transport gate must still fail the run, naming the worker and its channels.
+    group_vars = variant("fault-nccl-socket", "  gpus: false\n",
+                         f"  gpus: false\n  env: {{VLLM_DOUBLE_NCCL_NET: {WORKER}=Socket}}\n")
+    result = playbook(str(SCENARIO / "converge.yml"), "-e", f"@{group_vars}")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    text = flat(out)
+    assert "Fail when NCCL fell back to TCP or logged no channel" in text, out
+    assert f"fatal: [{HEAD}]" in out, out
+    assert "4 channel(s) go over NET/Socket, NCCL's TCP fallback, instead of RDMA" in text, out
+    # Every listed channel touches the worker; the head's own rank kept RDMA.
+    sockets = re.findall(r"channel \d+: rank (\d) -> rank (\d) \((\S+) -> (\S+)\)[^\n]*via NET/Socket/0", out)
+    assert len(sockets) == 4, out
+    assert all(WORKER in (src, dst) for _, _, src, dst in sockets), out
+    assert API_KEY not in out
+    result = playbook(str(SCENARIO / "converge.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "NET/Socket" not in out, out
     test_completion_returns_text()
 
 
