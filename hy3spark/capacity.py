@@ -5,19 +5,26 @@ lines: ``GPU KV cache size: N tokens`` and ``Maximum concurrency for L tokens pe
 computes both from the model's shape and the serving knobs, the way vLLM 0.23 does (read from its source:
 ``vllm/v1/worker/utils.py`` ``request_memory``, ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``,
 ``vllm/v1/kv_cache_interface.py`` ``FullAttentionSpec``/``SlidingWindowSpec``, ``vllm/v1/core/kv_cache_utils.py``
-``get_kv_cache_groups``/``get_kv_cache_configs``/``get_max_concurrency_for_kv_cache_config``):
+``get_kv_cache_groups``/``get_kv_cache_configs``/``get_max_concurrency_for_kv_cache_config``), and is tested against
+every case of vLLM 0.23.0's own vectors (``tests/fixtures/vllm-0.23.0/kv-cases.json``):
 
 - per rank: ``requested = ceil(total * gpu_memory_utilization)``; ``available = requested - weights - overhead``;
-  ``num_blocks = available // page // group_size``, where ``page = 16 * kv_heads_per_rank * 2 * head_dim * kv_bytes``
-  and ``group_size`` is the number of layers in the rank's largest KV cache group; then the minimum over ranks;
+  ``num_blocks = available // page // group_size``, where ``page = block_size * kv_heads_per_rank * 2 * head_dim *
+  kv_bytes`` and ``group_size`` is the number of layers in the rank's largest KV cache group; then the minimum over
+  ranks;
 - layers are grouped as vLLM's hybrid allocator does: one group when every layer has the same attention type;
   otherwise the layers of each type are split into groups of ``group_size`` layers (the smallest type's count, or the
-  largest when it is under 1.5x the smallest), each type's layers dealt round-robin (``layers[i::num_groups]``);
-- a full-length request needs ``ceil(L / 16)`` blocks in each full-attention group and
-  ``ceil(min(window - 1 + max_num_batched_tokens, L) / 16) + 1`` in each sliding-window group;
-  concurrency = num_blocks / (sum over groups); tokens = int(concurrency * L) (the group-aware capacity vLLM logs since
-  PR #42206; before it, vLLM logged ``num_blocks // num_groups * 16``, the same number for full-attention models
-  whenever L is a multiple of 16).
+  largest when it is under 1.5x the smallest), each type's layers dealt round-robin (``layers[i::num_groups]``).
+  With ``--disable-hybrid-kv-cache-manager`` every layer is a full-attention layer (one group);
+- a full-length request needs ``ceil(L / block_size)`` blocks in each full-attention group and
+  ``ceil(min(window - 1 + max_num_batched_tokens, L) / block_size) + 1`` in each sliding-window group;
+  concurrency = num_blocks / (sum over groups); tokens = int(concurrency * L);
+- vLLM then checks each rank in order and raises on the FIRST that fails: ``No available memory for the cache
+  blocks`` when its available memory is <= 0, else ``To serve at least one request ...`` when one full-length request
+  needs more than it has, quoting that rank's estimated maximum model length (:attr:`Plan.vllm_error`);
+- ``--max-model-len -1`` (auto-fit) starts from the model's own length and takes the longest that fits on every rank;
+- with MTP speculative decoding (``ServeConfig.speculative_method``) and PP > 1, vLLM 0.23 refuses the configuration
+  before any of this (Hy3's MTP drafter does not implement ``SupportsPP``; assumed of every MTP drafter).
 
 What is approximated, and why:
 
@@ -28,12 +35,9 @@ What is approximated, and why:
 - Sliding-window layers are taken as evenly interleaved with full ones (true of gpt-oss, which alternates); vLLM reads
   the real per-layer pattern. It only changes the result under PP, where it decides which stage gets which layers.
 - MTP/draft layers are full-attention layers with the main layers' KV shape, on the last PP stage.
-- The hybrid allocator is assumed on (vLLM's default). ``--disable-hybrid-kv-cache-manager`` (or a KV connector that
-  forces it) turns sliding-window layers into full ones, which this module does not model.
-- Block size 16 (vLLM's CUDA default). A backend that forces another block size keeps the pool the same size but
-  rounds requests to other block boundaries.
-- vLLM checks that one full-length request fits on each rank in turn and reports the first failing rank's estimated
-  maximum model length; this module reports the smallest over all ranks, the length that fits everywhere.
+- ``max_num_batched_tokens`` (it only matters for sliding-window layers) is an input: vLLM's default depends on what
+  NVML says about the GPU (:func:`vllm_default_max_num_batched_tokens`).
+- A backend that changes the block size after the model loads is not modelled: ``block_size`` is what vLLM resolved.
 """
 
 from __future__ import annotations
@@ -50,9 +54,28 @@ GIB = 1 << 30
 BLOCK_SIZE = 16
 # What vLLM reports as total memory on a DGX Spark (GB10), seen in several public startup logs.
 GB10_TOTAL_MEMORY_BYTES = int(121.69 * GIB)
-# vLLM's default max_num_batched_tokens for `vllm serve` on a GPU with >= 70 GiB (arg_utils); it only matters for
-# sliding-window layers, whose per-request blocks grow with the chunked-prefill chunk.
+# `vllm serve --max-model-len -1`: fit the length to the memory (vLLM's auto-fit).
+AUTO_FIT_MAX_MODEL_LEN = -1
+# vLLM's default max_num_batched_tokens for `vllm serve` on a GPU whose NVML reports >= 70 GiB; a GB10 gets 2048
+# (see vllm_default_max_num_batched_tokens). It only matters for sliding-window layers, whose per-request blocks grow
+# with the chunked-prefill chunk.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# vLLM 0.23.0's error texts (vllm/v1/core/kv_cache_utils.py, vllm/config/model.py), as its vectors recorded them.
+NO_MEMORY_ERROR = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine "
+    "(this flag also controls CPU memory reservation on the CPU backend, despite its name). See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+TOO_SMALL_ERROR = (
+    "To serve at least one request with the model's max seq len ({max_model_len}), ({needed} GiB KV cache is needed, "
+    "which is larger than the available KV cache memory ({available} GiB). Based on the available memory, the "
+    "estimated maximum model length is {estimate}. Try increasing `gpu_memory_utilization` (which also controls CPU "
+    "memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+MTP_PP_ERROR = (
+    "Pipeline parallelism is not supported for this model. Supported models implement the `SupportsPP` interface."
+)
 
 _FP8_KV_DTYPES = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"})
 _TWO_BYTE_KV_DTYPES = frozenset({"bfloat16", "float16"})
@@ -81,9 +104,12 @@ class ModelShape:
     head_dim: int
     weight_bytes: int
     dtype_bytes: int = 2
+    # Draft (MTP) layers: full-attention layers with the main layers' KV shape, on the last PP stage.
     mtp_layers: int = 0
     sliding_window: int | None = None
     sliding_window_layers: int = 0
+    # The model's own maximum length (max_position_embeddings): where --max-model-len -1 starts from.
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_hidden_layers", "num_key_value_heads", "head_dim", "dtype_bytes"):
@@ -98,6 +124,8 @@ class ModelShape:
             )
         if self.sliding_window_layers and not self.sliding_window:
             raise ValueError("ModelShape.sliding_window_layers > 0 needs sliding_window (the window in tokens)")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"ModelShape.max_context must be >= 1, got {self.max_context}")
 
 
 @dataclass(frozen=True)
@@ -105,16 +133,23 @@ class ServeConfig:
     """The vLLM serving knobs that size the KV cache."""
 
     tensor_parallel: int
-    max_model_len: int
+    max_model_len: int  # AUTO_FIT_MAX_MODEL_LEN (-1): vLLM fits it to the memory, from ModelShape.max_context
     max_num_seqs: int
     pipeline_parallel: int = 1
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = BLOCK_SIZE
+    # False: --disable-hybrid-kv-cache-manager (sliding-window layers keep full-length KV, all in one group).
+    hybrid_kv_cache_manager: bool = True
+    # --speculative-config's method ("mtp"); the draft layers themselves are ModelShape.mtp_layers.
+    speculative_method: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tensor_parallel", "pipeline_parallel", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 1 and self.max_model_len != AUTO_FIT_MAX_MODEL_LEN:
+            raise ValueError(f"ServeConfig.max_model_len must be >= 1 or -1 (auto-fit), got {self.max_model_len}")
         known = {"auto"} | _FP8_KV_DTYPES | _TWO_BYTE_KV_DTYPES
         if self.kv_cache_dtype not in known:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(sorted(known))}")
@@ -163,8 +198,20 @@ class RankRow:
     weights_bytes: int | None
     overhead_bytes: int | None
     kv_available_bytes: int
-    num_blocks: int
+    num_blocks: int  # this rank's own blocks, before the minimum over ranks
     kv_needed_bytes: int  # KV memory one max_model_len request needs on this rank (vLLM's startup check)
+    # Where one max_model_len request does not fit: the longest that does on this rank (vLLM's estimate).
+    estimated_max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class VllmError:
+    """The exception vLLM raises for this configuration, with its message as vLLM formats it."""
+
+    type: str  # "ValueError" (the KV cache check), "NotImplementedError" (a refused configuration)
+    message: str
+    rank: int | None = None  # the first rank that failed the check (vLLM stops there)
+    estimated_max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -175,11 +222,13 @@ class Plan:
     page_bytes: int  # bytes of one block of one layer
     num_blocks: int  # min over ranks: what every rank allocates
     blocks_per_request: int
-    max_model_len: int
+    max_model_len: int  # the length vLLM serves (after auto-fit)
     max_concurrency: float
     kv_cache_tokens: int
     overhead_source: str | None
     problems: tuple[Problem, ...]
+    vllm_error: VllmError | None = None
+    auto_fit_from: int | None = None  # with --max-model-len -1: the model's length that auto-fit started from
 
     @property
     def kv_cache_size_line(self) -> str:
@@ -198,6 +247,23 @@ class Plan:
 
 def _gib(value: int) -> str:
     return f"{value / GIB:.2f} GiB"
+
+
+def _vllm_gib(value: int) -> str:
+    """vLLM's format_gib: GiB rounded to two decimals, printed as a float (``3.0``, ``6.75``)."""
+    return str(round(value / GIB, 2))
+
+
+def vllm_default_max_num_batched_tokens(nvml_total_memory_bytes: int | None) -> int:
+    """`vllm serve`'s max_num_batched_tokens when none is given (EngineArgs.get_batch_defaults, OPENAI_API_SERVER):
+    8192 on a GPU whose NVML reports at least 70 GiB (an A100 excepted), else 2048.
+
+    None: NVML cannot report the memory. That is a DGX Spark: its GB10's memory query raises NVMLError_NotSupported,
+    which vLLM takes as 0 GiB, so `vllm serve` on a Spark defaults to 2048.
+    """
+    if nvml_total_memory_bytes is not None and nvml_total_memory_bytes >= 70 * GIB:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return 2048
 
 
 def kv_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
@@ -222,11 +288,12 @@ def _pp_stage_layers(num_hidden_layers: int, pp_size: int) -> list[range]:
     return stages
 
 
-def _layer_kinds(shape: ModelShape) -> list[str]:
+def _layer_kinds(shape: ModelShape, hybrid: bool) -> list[str]:
     sliding, total = shape.sliding_window_layers, shape.num_hidden_layers
     # Even interleaving: layer i is sliding when i*S mod N < S, which for gpt-oss (18 of 36) alternates starting
-    # with a sliding layer, as its config.json layer_types do.
-    kinds = ["sliding" if (i * sliding) % total < sliding else "full" for i in range(total)]
+    # with a sliding layer, as its config.json layer_types do. Without the hybrid manager vLLM gives sliding layers
+    # a full-length cache, so for the KV cache they are full layers.
+    kinds = ["sliding" if hybrid and (i * sliding) % total < sliding else "full" for i in range(total)]
     return kinds + ["full"] * shape.mtp_layers
 
 
@@ -250,31 +317,31 @@ def _kv_cache_groups(kinds: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     return groups
 
 
-def _blocks_per_request(kind: str, max_model_len: int, window: int | None, max_num_batched_tokens: int) -> int:
+def _blocks_per_request(kind: str, length: int, shape: ModelShape, serve: ServeConfig) -> int:
     if kind == "full":
-        return math.ceil(max_model_len / BLOCK_SIZE)
-    assert window is not None
+        return math.ceil(length / serve.block_size)
+    assert shape.sliding_window is not None
     # SlidingWindowSpec.max_memory_usage_bytes: the last window-1 tokens plus one prefill chunk, never more than the
     # request, and +1 block because the window need not start on a block boundary.
-    tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
-    return math.ceil(tokens / BLOCK_SIZE) + 1
+    tokens = min(shape.sliding_window - 1 + serve.max_num_batched_tokens, length)
+    return math.ceil(tokens / serve.block_size) + 1
 
 
-def _request_blocks(kinds: Sequence[str], max_model_len: int, shape: ModelShape, serve: ServeConfig) -> int:
-    return sum(
-        _blocks_per_request(kind, max_model_len, shape.sliding_window, serve.max_num_batched_tokens) for kind in kinds
-    )
+def _request_blocks(kinds: Sequence[str], length: int, shape: ModelShape, serve: ServeConfig) -> int:
+    return sum(_blocks_per_request(kind, length, shape, serve) for kind in kinds)
 
 
-def _longest_len_within(blocks_budget: int, kinds: Sequence[str], shape: ModelShape, serve: ServeConfig) -> int:
-    """Largest length <= max_model_len whose request fits in blocks_budget blocks (vLLM's binary search); 0 if none.
+def _longest_len_within(
+    blocks_budget: int, kinds: Sequence[str], upper: int, shape: ModelShape, serve: ServeConfig
+) -> int:
+    """Largest length <= upper whose request fits in blocks_budget blocks (vLLM's binary search); 0 if none.
 
     vLLM searches for the longest length whose KV memory fits the rank's available memory; with
     ``num_blocks = available // (page * group_size)`` that is the same as fitting in num_blocks blocks.
     """
     if _request_blocks(kinds, 1, shape, serve) > blocks_budget:
         return 0
-    low, high, best = 1, serve.max_model_len, 1
+    low, high, best = 1, upper, 1
     while low <= high:
         mid = (low + high) // 2
         if _request_blocks(kinds, mid, shape, serve) <= blocks_budget:
@@ -327,60 +394,88 @@ def _startup_problem(budget: Budget, requested: int) -> Problem | None:
     )
 
 
+def _first_failing_rank(rows: Sequence[RankRow], length: int) -> VllmError | None:
+    """vLLM's admission check (_check_enough_kv_cache_memory), rank by rank in order; it raises on the first failure."""
+    for row in rows:
+        if row.kv_available_bytes <= 0:
+            return VllmError("ValueError", NO_MEMORY_ERROR, rank=row.rank)
+        if row.kv_needed_bytes > row.kv_available_bytes:
+            assert row.estimated_max_model_len is not None
+            message = TOO_SMALL_ERROR.format(
+                max_model_len=length,
+                needed=_vllm_gib(row.kv_needed_bytes),
+                available=_vllm_gib(row.kv_available_bytes),
+                estimate=row.estimated_max_model_len,
+            )
+            return VllmError("ValueError", message, row.rank, row.estimated_max_model_len)
+    return None
+
+
 def _capacity_problems(
     rows: Sequence[RankRow],
-    plan_groups: Sequence[KVGroup],
+    kinds: Sequence[str],
     num_blocks: int,
     concurrency: float,
+    length: int,
+    error: VllmError | None,
     shape: ModelShape,
     serve: ServeConfig,
 ) -> list[Problem]:
-    kinds = [group.kind for group in plan_groups]
-    length = serve.max_model_len
-    worst = min(rows, key=lambda row: row.kv_available_bytes)
-    if worst.kv_available_bytes <= 0:
-        if worst.requested_bytes is None:
+    if error is not None and error.message == NO_MEMORY_ERROR:
+        row = rows[error.rank or 0]
+        if row.requested_bytes is None:
             spent = ""
         else:
             spent = (
-                f" (requested {_gib(worst.requested_bytes)} - weights {_gib(worst.weights_bytes or 0)}"
-                f" - overhead {_gib(worst.overhead_bytes or 0)})"
+                f" (requested {_gib(row.requested_bytes)} - weights {_gib(row.weights_bytes or 0)}"
+                f" - overhead {_gib(row.overhead_bytes or 0)})"
             )
         return [
             Problem(
                 Severity.ERROR,
                 "no-kv-memory",
-                f"rank {worst.rank} has {_gib(worst.kv_available_bytes)} left for the KV cache{spent}, so vLLM will "
+                f"rank {row.rank} has {_gib(row.kv_available_bytes)} left for the KV cache{spent}, so vLLM will "
                 f"stop with 'No available memory for the cache blocks'; {_kv_memory_hint(serve)}, or use a smaller "
                 "checkpoint",
             )
         ]
-    if concurrency < 1:
-        fits = _longest_len_within(num_blocks, kinds, shape, serve)
-        limiting = min(rows, key=lambda row: row.num_blocks)
-        if fits:
+    if error is not None:
+        row = rows[error.rank or 0]
+        # vLLM quotes the first failing rank's estimate; a later rank may fit less, and the length to set is the
+        # one that fits on every rank.
+        limiting = min(
+            (r for r in rows if r.estimated_max_model_len is not None), key=lambda r: r.estimated_max_model_len or 0
+        )
+        fits = limiting.estimated_max_model_len
+        if not fits:
+            estimate = f"not even a one-token request fits on rank {limiting.rank}: "
+        elif fits == error.estimated_max_model_len:
             estimate = f"the estimated maximum model length is {fits}: set max_model_len to at most {fits}, or "
         else:
-            estimate = "not even a one-token request fits: "
+            estimate = (
+                f"the estimated maximum model length is {error.estimated_max_model_len} (vLLM stops at the first "
+                f"rank that fails), but rank {limiting.rank} fits only {fits}: set max_model_len to at most {fits}, "
+                "or "
+            )
         return [
             Problem(
                 Severity.ERROR,
                 "max-model-len",
-                f"one {length:,}-token request needs {_gib(limiting.kv_needed_bytes)} of KV cache on rank "
-                f"{limiting.rank} but only {_gib(limiting.kv_available_bytes)} is available, so vLLM will refuse to "
-                f"start (concurrency {concurrency:.2f}x < 1); {estimate}{_kv_memory_hint(serve)}",
+                f"one {length:,}-token request needs {_gib(row.kv_needed_bytes)} of KV cache on rank {row.rank} but "
+                f"only {_gib(row.kv_available_bytes)} is available, so vLLM will refuse to start (concurrency "
+                f"{concurrency:.2f}x < 1); {estimate}{_kv_memory_hint(serve)}",
             )
         ]
     if concurrency < serve.max_num_seqs:
-        fits = _longest_len_within(num_blocks // serve.max_num_seqs, kinds, shape, serve)
+        fits = _longest_len_within(num_blocks // serve.max_num_seqs, kinds, length, shape, serve)
         shorter = f", max_model_len to {fits:,} (fits {serve.max_num_seqs} full-length requests)" if fits else ""
         return [
             Problem(
                 Severity.WARNING,
                 "concurrency",
-                f"only {concurrency:.2f} requests of {length:,} tokens fit in the KV cache, fewer than max_num_seqs "
-                f"{serve.max_num_seqs}: with long prompts the rest wait or are preempted; lower max_num_seqs to "
-                f"{math.floor(concurrency)}{shorter}, or {_kv_memory_hint(serve)}",
+                f"only {concurrency:.2f} requests of {length:,} tokens fit in the KV cache, fewer than "
+                f"max_num_seqs {serve.max_num_seqs}: with long prompts the rest wait or are preempted; lower "
+                f"max_num_seqs to {math.floor(concurrency)}{shorter}, or {_kv_memory_hint(serve)}",
             )
         ]
     return []
@@ -398,48 +493,71 @@ def _plan(
     if shape.num_hidden_layers < pp:
         raise ValueError(f"pipeline_parallel {pp} exceeds the model's {shape.num_hidden_layers} layers")
     kv_heads = max(1, shape.num_key_value_heads // tp)
-    page = BLOCK_SIZE * kv_heads * 2 * shape.head_dim * kv_dtype_bytes(serve.kv_cache_dtype, shape.dtype_bytes)
-    groups = tuple(
-        KVGroup(
-            kind,
-            layers,
-            _blocks_per_request(kind, serve.max_model_len, shape.sliding_window, serve.max_num_batched_tokens),
-        )
-        for kind, layers in _kv_cache_groups(_layer_kinds(shape))
-    )
-    blocks_per_request = sum(group.blocks_per_request for group in groups)
+    page = serve.block_size * kv_heads * 2 * shape.head_dim * kv_dtype_bytes(serve.kv_cache_dtype, shape.dtype_bytes)
+    layer_groups = _kv_cache_groups(_layer_kinds(shape, serve.hybrid_kv_cache_manager))
+    kinds = [kind for kind, _layers in layer_groups]
     stages = [set(stage) for stage in _pp_stage_layers(shape.num_hidden_layers, pp)]
     stages[-1].update(range(shape.num_hidden_layers, shape.num_hidden_layers + shape.mtp_layers))
+    # vLLM projects the global groups onto each stage's layers; the pool is split into as many tensors as the
+    # largest projected group has layers.
+    group_sizes = [max(len(stage.intersection(layers)) for _kind, layers in layer_groups) for stage in stages]
+    rank_blocks = [max(available[rank] // page // group_sizes[rank // tp], 0) for rank in range(tp * pp)]
+
+    length, auto_fit_from = serve.max_model_len, None
+    if length == AUTO_FIT_MAX_MODEL_LEN:
+        if shape.max_context is None:
+            raise ValueError("max_model_len -1 (auto-fit) needs ModelShape.max_context, the model's own length")
+        # vLLM's auto-fit: the longest length up to the model's own that fits on every rank.
+        auto_fit_from = shape.max_context
+        fits = min(_longest_len_within(blocks, kinds, auto_fit_from, shape, serve) for blocks in rank_blocks)
+        length = fits or auto_fit_from  # nothing fits: the admission check below reports it
+    groups = tuple(
+        KVGroup(kind, layers, _blocks_per_request(kind, length, shape, serve)) for kind, layers in layer_groups
+    )
+    blocks_per_request = sum(group.blocks_per_request for group in groups)
 
     rows = []
-    for pp_rank, stage in enumerate(stages):
-        # vLLM projects the global groups onto the stage's layers; the pool is split into as many tensors as the
-        # largest projected group has layers.
-        group_size = max(len(stage.intersection(group.layers)) for group in groups)
-        for tp_rank in range(tp):
-            rank = pp_rank * tp + tp_rank
-            total, requested, weights, overhead = budget_rows[rank] if budget_rows else (None, None, None, None)
-            rows.append(
-                RankRow(
-                    rank=rank,
-                    pp_rank=pp_rank,
-                    tp_rank=tp_rank,
-                    kv_layers=len(stage),
-                    total_bytes=total,
-                    requested_bytes=requested,
-                    weights_bytes=weights,
-                    overhead_bytes=overhead,
-                    kv_available_bytes=available[rank],
-                    num_blocks=max(available[rank] // page // group_size, 0),
-                    kv_needed_bytes=group_size * page * blocks_per_request,
-                )
+    for rank, blocks in enumerate(rank_blocks):
+        pp_rank, tp_rank = divmod(rank, tp)
+        total, requested, weights, overhead = budget_rows[rank] if budget_rows else (None, None, None, None)
+        needed = group_sizes[pp_rank] * page * blocks_per_request
+        rows.append(
+            RankRow(
+                rank=rank,
+                pp_rank=pp_rank,
+                tp_rank=tp_rank,
+                kv_layers=len(stages[pp_rank]),
+                total_bytes=total,
+                requested_bytes=requested,
+                weights_bytes=weights,
+                overhead_bytes=overhead,
+                kv_available_bytes=available[rank],
+                num_blocks=blocks,
+                kv_needed_bytes=needed,
+                estimated_max_model_len=(
+                    _longest_len_within(blocks, kinds, length, shape, serve) if 0 < available[rank] < needed else None
+                ),
             )
-    num_blocks = min(row.num_blocks for row in rows)
+        )
+    num_blocks = min(rank_blocks)
     concurrency = num_blocks / blocks_per_request
     problems = [*early_problems]
     if (tp_problem := _tp_problem(shape, serve)) is not None:
         problems.append(tp_problem)
-    problems.extend(_capacity_problems(rows, groups, num_blocks, concurrency, shape, serve))
+    if (serve.speculative_method or "").endswith("mtp") and pp > 1:
+        # create_engine_config refuses it (the MTP drafter does not implement SupportsPP): no KV check runs.
+        vllm_error: VllmError | None = VllmError("NotImplementedError", MTP_PP_ERROR)
+        problems.append(
+            Problem(
+                Severity.ERROR,
+                "mtp-pp",
+                f"vLLM 0.23 refuses MTP speculative decoding with pipeline_parallel {pp} ({MTP_PP_ERROR}); use "
+                "pipeline_parallel 1 and spread the model with tensor_parallel, or drop speculative_config",
+            )
+        )
+    else:
+        vllm_error = _first_failing_rank(rows, length)
+        problems.extend(_capacity_problems(rows, kinds, num_blocks, concurrency, length, vllm_error, shape, serve))
     return Plan(
         rows=tuple(rows),
         groups=groups,
@@ -447,11 +565,13 @@ def _plan(
         page_bytes=page,
         num_blocks=num_blocks,
         blocks_per_request=blocks_per_request,
-        max_model_len=serve.max_model_len,
+        max_model_len=length,
         max_concurrency=concurrency,
-        kv_cache_tokens=int(concurrency * serve.max_model_len),
+        kv_cache_tokens=int(concurrency * length),
         overhead_source=overhead_source,
         problems=tuple(problems),
+        vllm_error=vllm_error,
+        auto_fit_from=auto_fit_from,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,12 @@ from hy3spark.errors import Hy3SparkError
 from hy3spark.spec import Loaded
 
 GIB = capacity.GIB
+# What NVML reports as a DGX Spark's GPU memory: nothing, its GB10 raises NVMLError_NotSupported. vLLM takes that as
+# 0 GiB, so `vllm serve` on a Spark defaults to max_num_batched_tokens 2048 (vLLM 0.23.0's vectors
+# gptoss120b-profile-gb10-nvml-unsupported and hy3-profile-gb10-nvml-unsupported).
+SPARK_NVML_TOTAL_MEMORY_BYTES: int | None = None
+# The serving.extra_args with a value that change the KV cache (vLLM resolves them when they are absent).
+_VALUED_KV_FLAGS = ("--max-num-batched-tokens", "--block-size")
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,41 @@ def overhead_for(loaded: Loaded, calibrate: Path | None, override_gib: float | N
     return Overhead(int(spec.serving.overhead_gib * GIB), where)
 
 
+def _human_readable_int(flag: str, value: str) -> int:
+    """vLLM's human_readable_int: '2048', '2k' (2000), '2K' (2048)."""
+    match = re.fullmatch(r"(\d+)([kKmMgG]?)", value.strip())
+    if not match:
+        raise Hy3SparkError(f"serving.extra_args: {flag} {value!r} is not a whole number")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    return int(number) * scale
+
+
+def kv_extra_args(extra_args: list[str]) -> dict[str, int | bool]:
+    """The serving.extra_args that change the KV cache, read as vLLM's parser reads them: underscores in a flag name
+    are dashes, ``--flag value`` or ``--flag=value``, the last one given wins. Absent flags are absent."""
+    found: dict[str, int | bool] = {}
+    for index, arg in enumerate(extra_args):
+        if not arg.startswith("--"):
+            continue
+        name, has_value, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"):
+            found["disable_hybrid_kv_cache_manager"] = name == "--disable-hybrid-kv-cache-manager"
+        elif name in _VALUED_KV_FLAGS:
+            if not has_value:
+                if index + 1 >= len(extra_args):
+                    raise Hy3SparkError(f"serving.extra_args: {name} needs a value")
+                value = extra_args[index + 1]
+            found[name[2:].replace("-", "_")] = _human_readable_int(name, value)
+    return found
+
+
 def plan_for(loaded: Loaded, overhead: Overhead, free_gib: float | None = None) -> capacity.Plan:
     spec = loaded.spec
     arch, s = spec.model.arch, spec.serving
+    extra = kv_extra_args(s.extra_args)
+    speculative = s.speculative_config or {}
     shape = capacity.ModelShape(
         num_hidden_layers=arch.num_hidden_layers,
         num_key_value_heads=arch.num_key_value_heads,
@@ -53,6 +92,7 @@ def plan_for(loaded: Loaded, overhead: Overhead, free_gib: float | None = None) 
         mtp_layers=arch.mtp_layers if s.speculative_config else 0,
         sliding_window=arch.sliding_window,
         sliding_window_layers=arch.sliding_window_layers,
+        max_context=arch.max_context,
     )
     serve = capacity.ServeConfig(
         tensor_parallel=s.tensor_parallel,
@@ -60,6 +100,11 @@ def plan_for(loaded: Loaded, overhead: Overhead, free_gib: float | None = None) 
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         kv_cache_dtype=s.kv_cache_dtype,
+        max_num_batched_tokens=extra.get("max_num_batched_tokens")
+        or capacity.vllm_default_max_num_batched_tokens(SPARK_NVML_TOTAL_MEMORY_BYTES),
+        block_size=extra.get("block_size") or capacity.BLOCK_SIZE,
+        hybrid_kv_cache_manager=not extra.get("disable_hybrid_kv_cache_manager", False),
+        speculative_method=str(speculative["method"]) if "method" in speculative else None,
     )
     budget = capacity.Budget(
         gpu_memory_utilization=s.gpu_memory_utilization,

@@ -429,3 +429,27 @@ def test_calibrate_reads_ray_coloured_worker_tags() -> None:
     )
     assert "\x1b[36m(RayWorkerWrapper" in coloured
     assert calibrate_overhead(coloured) == calibrate_overhead(_SYNTHETIC_LOG)
+
+
+def test_auto_fit_needs_the_model_length_and_keeps_it_when_it_fits() -> None:
+    shape, serve = _hy3(max_model_len=-1, max_num_seqs=1)
+    with pytest.raises(ValueError, match=r"max_model_len -1 \(auto-fit\) needs ModelShape.max_context"):
+        plan_from_available(shape, serve, 20 * GIB)
+    # 20 GiB // 16,384 B // 81 layers = 16,181 blocks: 258,896 tokens fit, so a 131,072-token model keeps its length.
+    result = plan_from_available(replace(shape, max_context=131_072), serve, 20 * GIB)
+    assert (result.auto_fit_from, result.max_model_len) == (131_072, 131_072)
+    # A 262,144-token model is cut to the whole pool: 16,181 x 16 tokens.
+    result = plan_from_available(replace(shape, max_context=262_144), serve, 20 * GIB)
+    assert (result.auto_fit_from, result.max_model_len) == (262_144, 16_181 * 16)
+    assert result.max_concurrency_line == "Maximum concurrency for 258,896 tokens per request: 1.00x"
+    # Unequal ranks: the length must fit on every one, so the smaller rank decides (10 GiB: 8,090 blocks).
+    result = plan_from_available(replace(shape, max_context=262_144), serve, [20 * GIB, 10 * GIB])
+    assert result.max_model_len == 8_090 * 16
+    assert result.vllm_error is None
+
+
+def test_serve_config_rejects_lengths_other_than_auto_fit_and_bad_block_sizes() -> None:
+    with pytest.raises(ValueError, match=r"max_model_len must be >= 1 or -1 \(auto-fit\), got 0"):
+        ServeConfig(tensor_parallel=1, max_model_len=0, max_num_seqs=1)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        ServeConfig(tensor_parallel=1, max_model_len=1024, max_num_seqs=1, block_size=0)
