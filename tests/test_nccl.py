@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,117 @@ def test_logs_without_channel_lines_fail() -> None:
 )
 def test_classify(via: str, expected: Transport) -> None:
     assert classify(via) is expected
+
+
+# --- What the mutation run (scripts/mutation nccl) showed untested -------------------------------------------------
+def _socket_lines(count: int, host: str = "spark-a", pid: int = 100) -> str:
+    """`count` [send] lines over NET/Socket from rank 0 (spark-a) to rank 1, with rank 0's init line only."""
+    header = f"{host}:{pid}:{pid} [0] NCCL INFO "
+    lines = [f"{header}ncclCommInitRankConfig comm 0x5555 rank 0 nranks 2 cudaDev 0 busId f01000 commId 0x1234abcd"]
+    lines += [f"{header}Channel {channel:02d}/0 : 0[0] -> 1[0] [send] via NET/Socket/0" for channel in range(count)]
+    return "\n".join(lines) + "\n"
+
+
+def _failure(report_logs: dict[str, str]) -> str:
+    result = gate(parse_logs(report_logs))
+    assert not result.passed
+    (failure,) = result.failures
+    return failure
+
+
+@pytest.mark.parametrize(("count", "tail"), [(2, None), (6, None), (7, "... and 1 more"), (16, "... and 10 more")])
+def test_a_failure_lists_six_socket_channels_then_counts_the_rest(count: int, tail: str | None) -> None:
+    failure = _failure({"spark-a": _socket_lines(count)})
+    assert failure.startswith(f"{count} channel(s) go over NET/Socket")
+    listed = [line for line in failure.splitlines() if line.startswith("    channel ")]
+    assert len(listed) == min(count, 6)
+    assert listed[0] == "    channel 00: rank 0 -> rank 1 [send] via NET/Socket/0 (in spark-a)"
+    if tail is None:
+        assert "... and" not in failure
+    else:
+        assert f"\n    {tail}\n" in failure
+
+
+def test_a_channel_whose_peer_log_is_missing_has_no_inter_node_verdict() -> None:
+    # Only spark-a's log: rank 1's host is unknown, so whether a channel crossed nodes is unknown too, and the
+    # message must not invent a host ("spark-a -> None").
+    report = parse_logs({"spark-a": _socket_lines(2)})
+    assert {(c.src_host, c.dst_host) for c in report.channels} == {("spark-a", None)}
+    assert {c.inter_node for c in report.channels} == {None}
+    assert report.channels[0].describe() == "channel 00: rank 0 -> rank 1 [send] via NET/Socket/0 (in spark-a)"
+
+
+def test_channel_lines_without_init_lines_are_still_judged() -> None:
+    # NCCL_DEBUG_SUBSYS without INIT keeps the channel lines but not the rank identity: the gate must still fail
+    # on Socket, and say nothing about hosts it never saw.
+    text = "".join(f"spark-a:100:100 [0] NCCL INFO Channel {c:02d}/0 : 0[0] -> 1[0] [send] via NET/Socket/0\n"
+                   for c in range(2))
+    report = parse_logs({"spark-a": text})
+    assert report.ranks == () and report.hosts == frozenset()
+    result = gate(report)
+    assert not result.passed
+    assert result.counts[Transport.SOCKET] == 2
+    assert result.notes == ()
+
+
+def test_every_communicator_of_a_process_is_one_rank_entry() -> None:
+    # vLLM's ranks initialise several communicators (world, TP group, ...), each logged as Init START and again
+    # as Init COMPLETE: each communicator is one entry, whatever the order of their pointers.
+    header = "spark-a:100:100 [0] NCCL INFO "
+    text = "".join(
+        f"{header}ncclCommInitRankConfig comm {comm} rank {rank} nranks 2 cudaDev 0 nvmlDev 0 busId f01000 "
+        f"commId {comm_id} - Init {phase}\n"
+        for comm, rank, comm_id in (("0x5b", 0, "0xb1"), ("0x5c", 1, "0xc1"), ("0x5a", 0, "0xa1"))
+        for phase in ("START", "COMPLETE")
+    )
+    report = parse_logs({"spark-a": text})
+    assert sorted((r.comm_id, r.rank) for r in report.ranks) == [("0xa1", 0), ("0xb1", 0), ("0xc1", 1)]
+
+
+def test_socket_causes_name_only_the_logs_that_lack_nccl_ib_hca(fixtures: Path) -> None:
+    # The real socket run never set NCCL_IB_HCA and disabled IB by environment: both are named, and the generic
+    # "NCCL_IB_DISABLE=1 in the container's environment" is not repeated after the specific one.
+    failure = _failure(_logs(fixtures, "socket"))
+    assert "NCCL_IB_HCA does not appear in nccl-socket-rank0.log, nccl-socket-rank1.log" in failure
+    assert "NCCL_IB_DISABLE=1 in the container's environment" not in failure
+    # A log with NCCL_IB_HCA set, or without any NCCL_* line at all (nothing to tell from), is not named; with no
+    # IB_DISABLE seen, the generic cause is listed.
+    with_hca = _constructed_rank("spark-a", 0, 100, {0: "NET/Socket/0"})
+    failure = _failure({"spark-a": with_hca, "spark-b": _socket_lines(1, host="spark-b", pid=200)})
+    assert "does not appear in" not in failure
+    assert "NCCL_IB_DISABLE=1 reached" not in failure
+    assert "\n    - NCCL_IB_DISABLE=1 in the container's environment" in failure
+
+
+def test_an_unknown_network_plugin_is_a_warning_of_its_own() -> None:
+    result = gate(parse_logs({"spark-a": _constructed_rank("spark-a", 0, 100, {0: "NET/UCX/0"}),
+                              "spark-b": _constructed_rank("spark-b", 1, 200, {0: "NET/UCX/0"})}))
+    assert result.passed
+    assert result.counts[Transport.NET_OTHER] == 4
+    (warning,) = result.warnings
+    assert warning.startswith("4 channel(s) use a network plugin this gate does not know:")
+    assert "channel 00: rank 0 -> rank 1 (spark-a -> spark-b) [send] via NET/UCX/0 (in spark-a)" in warning
+
+
+@pytest.mark.parametrize(
+    ("via", "expected"),
+    [
+        # Plugin and transport names sort on both sides of the known ones; only the exact names count.
+        ("NET/UCX/0", Transport.NET_OTHER),
+        ("NET/IBext/0/GDRDMA", Transport.NET_OTHER),
+        ("CollNet/0", Transport.OTHER),
+        ("NVLS/0", Transport.OTHER),
+    ],
+)
+def test_classify_only_exact_transport_names(via: str, expected: Transport) -> None:
+    assert classify(via) is expected
+
+
+def test_reports_and_verdicts_are_read_only() -> None:
+    # The gate's verdict is handed to the CLI and the role's report as a value: nothing downstream can flip it.
+    report = parse_logs({"spark-a": _socket_lines(1)})
+    result = gate(report)
+    for obj, attr in ((result, "passed"), (report, "channels"), (report.channels[0], "transport"),
+                      (report.ranks[0], "hostname")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, attr, None)
