@@ -387,3 +387,442 @@ def test_network_pending_turns_only_network_failures_into_warnings() -> None:
     assert pending[0]["found"] == "no address (the network role configures this next)"
     assert pf.failures(pending) == ["a/interface", "a/docker"]
     assert pf.network_pending(rows, False) == rows
+
+
+# --- Judgements the mutation run (scripts/mutation preflight) found untested ------------------------------------
+def test_fabric_rows_say_what_was_expected_and_how_to_fix():
+    rows = pf.fabric(ip_probe(iplink(addrs=("10.0.0.9/24",), mtu=1500)), "spark-a", "eth1", "10.0.0.1/24", "9000")
+    assert [(r["node"], r["check"], r["expected"]) for r in rows] == [
+        ("spark-a", "interface", "eth1 present and up"), ("spark-a", "address", "10.0.0.1/24 on eth1"),
+        ("spark-a", "mtu", "9000")]
+    assert by(rows, "address")["fix"].startswith("give eth1 its own address 10.0.0.1/24: run the network role")
+    assert by(rows, "mtu")["fix"].startswith("set mtu: 9000 for eth1 (network role / netplan) on every node")
+    assert by(rows, "interface") == pf.row("spark-a", "interface", "pass", "eth1 present and up", "eth1 UP")
+
+
+def test_fabric_ip_failure_names_the_error_and_the_package():
+    rows = pf.fabric({"rc": 1, "stderr": "\nip: command failed\nmore"}, "n", "eth1", "10.0.0.1/24", 9000)
+    assert [r["found"] for r in rows] == ["cannot list interfaces: ip: command failed"] * 3
+    assert [r["expected"] for r in rows] == ["eth1 present and up", "10.0.0.1/24", "9000"]
+    assert {r["fix"] for r in rows} == {"install iproute2 (ip) on the node"}
+    no_text = pf.fabric({"rc": 2}, "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(no_text, "mtu")["found"] == "cannot list interfaces: ip failed"
+
+
+def test_fabric_link_without_operstate_but_with_carrier_passes():
+    # Some drivers report operstate UNKNOWN for a working link; LOWER_UP is the carrier.
+    rows = pf.fabric(ip_probe(iplink(oper="UNKNOWN")), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "interface")["status"] == "pass" and by(rows, "interface")["found"] == "eth1 UNKNOWN"
+    rows = pf.fabric(ip_probe(iplink(oper="UNKNOWN", flags=("UP",))), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "interface")["found"] == "eth1 UNKNOWN, no carrier"
+    assert by(rows, "interface")["fix"] == "check the cable and that the peer's port is up"
+
+
+def test_fabric_missing_interface_lists_what_is_there():
+    only_lo = pf.fabric(ip_probe(), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(only_lo, "interface")["found"] == "no interface eth1 (present: none)"
+    assert [r["found"] for r in only_lo[1:]] == ["interface eth1 absent"] * 2
+    others = pf.fabric(ip_probe(iplink("eth2", ("10.9.9.9/24",)), iplink("eth0", ("10.0.0.7/24",))), "n", "eth1",
+                       "10.0.0.1/24", 9000)
+    assert by(others, "interface")["found"] == "no interface eth1 (present: eth0, eth2)"
+
+
+def test_fabric_address_on_another_port_is_named():
+    rows = pf.fabric(ip_probe(iplink(addrs=()), iplink("eth0", ("10.0.0.1/24",))), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "address")["found"] == "no IPv4 address; 10.0.0.1 is on eth0"
+    rows = pf.fabric(ip_probe(iplink(addrs=("10.0.0.1/16",)), iplink("eth0", ("10.0.0.1/24",))), "n", "eth1",
+                     "10.0.0.1/24", 9000)
+    assert by(rows, "address")["found"] == "10.0.0.1/16 (prefix differs)"
+    both = pf.fabric(ip_probe(iplink(addrs=("10.0.0.1/24", "10.0.0.5/24"))), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(both, "address") == pf.row("n", "address", "pass", "10.0.0.1/24", "10.0.0.1/24, 10.0.0.5/24")
+
+
+def test_fabric_ignores_ipv6_addresses():
+    link = iplink(addrs=())
+    link["addr_info"] = [{"family": "inet6", "local": "10.0.0.1", "prefixlen": 24}]
+    assert by(pf.fabric(ip_probe(link), "n", "eth1", "10.0.0.1/24", 9000), "address")["found"] == "no IPv4 address"
+
+
+def test_ping_accepts_a_plain_list_and_reports_each_peer():
+    res = [{"item": WORKER, "rc": 0, "stdout": ""},
+           {"item": {**WORKER, "name": "spark-c"}, "rc": 2, "failed": True,
+            "msg": "[Errno 2] No such file or directory: b'ping'"},
+           {"item": {**WORKER, "name": "spark-d"}, "rc": 1, "stdout": "", "stderr": "\nconnect: Network is down\n"}]
+    rows = pf.ping(res, "spark-a", "10.0.0.1", "9000")
+    assert by(rows, "ping", "spark-b") == pf.row("spark-a", "ping", "pass", "10.0.0.2 answers from 10.0.0.1",
+                                                 "replies", target="spark-b")
+    assert by(rows, "ping", "spark-c")["found"] == "ping not installed"
+    assert by(rows, "ping", "spark-c")["fix"] == "install iputils-ping"
+    assert by(rows, "ping", "spark-d")["found"] == "no reply: connect: Network is down"
+    assert by(rows, "ping", "spark-d")["fix"] == (
+        "check both ends (their interface and address rows): this node's fabric interface, and that spark-d is up, "
+        "cabled and carries 10.0.0.2")
+
+
+def test_ping_jumbo_details():
+    res = {"results": [
+        {"item": WORKER, "rc": 1, "stderr": "ping: sendmsg: Message too long"},
+        {"item": {**WORKER, "name": "spark-c"}, "rc": 1, "stdout": "3 packets transmitted, 1 received"},
+        {"item": {**WORKER, "name": "spark-d"}, "rc": 0, "stdout": "2 packets transmitted, 2 received"},
+    ]}
+    rows = pf.ping(res, "spark-a", "10.0.0.1", 9000, jumbo=True)
+    too_long = by(rows, "ping_mtu", "spark-b")
+    assert too_long["found"] == "message too long: a local hop has MTU < 9000"
+    assert too_long["fix"] == "set mtu 9000 on the fabric interface of both nodes (network role)"
+    dropped = by(rows, "ping_mtu", "spark-c")
+    assert dropped["found"] == "no reply to 8972-byte frames (1/3)"
+    assert dropped["fix"].startswith("a hop on the path drops frames above its MTU: set mtu 9000 on spark-c's fabric")
+    ok = by(rows, "ping_mtu", "spark-d")
+    assert ok["status"] == "pass" and ok["found"] == "2/2 replies"
+    assert ok["expected"] == "8972-byte don't-fragment ping 10.0.0.1 -> 10.0.0.2 answered"
+    skipped = pf.ping({"results": [{"item": WORKER, "skipped": True}]}, "spark-a", "10.0.0.1", 1500, jumbo=True)
+    assert by(skipped, "ping_mtu", "spark-b")["found"] == "MTU 1500: no jumbo frames to test"
+
+
+def test_ssh_other_failures_and_the_pinned_file():
+    res = {"results": [
+        {"item": WORKER, "rc": 255, "stderr": "Host key verification failed."},
+        {"item": {**WORKER, "name": "spark-c"}, "rc": 255, "stderr": "bind: Cannot assign requested address"},
+        {"item": {**WORKER, "name": "spark-d"}, "rc": 2, "failed": True,
+         "msg": "[Errno 2] No such file or directory: b'ssh'"},
+        {"item": {**WORKER, "name": "spark-e"}, "rc": 255, "stderr": "kex_exchange_identification: read: reset"},
+        {"item": {**WORKER, "name": "spark-f"}, "rc": 255, "stderr": ""},
+        {"item": {**WORKER, "name": "spark-g"}, "rc": 255, "stderr": "connect to host: Network is unreachable"},
+    ]}
+    rows = pf.ssh(res, "spark-a", "/etc/hy3spark/known_hosts")
+    unknown = by(rows, "ssh", "spark-b")
+    assert unknown["found"] == "host key unknown: 10.0.0.2 is not pinned in /etc/hy3spark/known_hosts"
+    assert unknown["fix"].startswith("pin spark-b's host key for 10.0.0.2 in /etc/hy3spark/known_hosts on the head")
+    assert by(rows, "ssh", "spark-c")["found"] == ("cannot connect from this node's fabric address: it is not on "
+                                                   "this node")
+    assert by(rows, "ssh", "spark-d")["found"] == "ssh client not installed"
+    assert by(rows, "ssh", "spark-e")["found"] == "kex_exchange_identification: read: reset"
+    assert by(rows, "ssh", "spark-e")["fix"] == "run `ssh -o BatchMode=yes ubuntu@10.0.0.2 true` on the head and fix " \
+                                                "what it reports"
+    assert by(rows, "ssh", "spark-f")["found"] == "ssh exited 255"
+    assert by(rows, "ssh", "spark-g")["found"] == "unreachable: connect to host: Network is unreachable"
+    assert by(rows, "ssh", "spark-g")["fix"] == "fix the fabric path to spark-g first (see the ping rows)"
+    default = pf.ssh({"results": [{"item": WORKER, "rc": 255, "stderr": "Host key verification failed."}]}, "a", "")
+    assert by(default, "ssh", "spark-b")["found"].endswith("is not pinned in ~/.ssh/known_hosts")
+
+
+def test_ssh_rows_expect_the_user_at_the_fabric_address():
+    rows = pf.ssh([{"item": {**WORKER, "ssh_user": "ops"}, "rc": 255, "stderr": "ops@10.0.0.2: Permission denied"}],
+                  "spark-a", "")
+    r = by(rows, "ssh", "spark-b")
+    assert r["expected"] == "ops@10.0.0.2 without a password, host key pinned"
+    assert r["found"] == "permission denied: ops@10.0.0.2 does not accept the head's key"
+    assert r["fix"].startswith("add ops's public key on the head to ops@spark-b:~/.ssh/authorized_keys")
+
+
+def test_docker_other_failure_and_an_engine_without_version():
+    assert pf.docker_usable({"rc": 0}) and not pf.docker_usable({"rc": 1})
+    ok = pf.docker({"rc": 0, "stdout": "Client:\n Version: 26.1\n"}, "n", "u")
+    assert by(ok, "docker")["found"] == "engine answers"
+    assert by(ok, "docker")["expected"] == "docker usable by u without sudo"
+    odd = by(pf.docker({"rc": 1, "stderr": "\nsomething odd\n"}, "n", "u"), "docker")
+    assert (odd["status"], odd["found"], odd["fix"]) == ("fail", "something odd", "run `docker version` as the user")
+    assert by(pf.docker({"rc": 3}, "n", "u"), "docker")["found"] == "docker exited 3"
+    down = by(pf.docker({"rc": 1, "stderr": "Is the docker daemon running?"}, "n", "u"), "docker")
+    assert down["fix"] == "sudo systemctl enable --now docker"
+
+
+def test_image_arch_details():
+    arm = {"rc": 0, "stdout": json.dumps([{"Architecture": "arm64", "Variant": "v8"}])}
+    r = by(pf.image_arch(arm, "n", "img:1", "aarch64"), "image_arch")
+    assert (r["status"], r["expected"], r["found"]) == ("pass", "img:1 built for arm64 (aarch64)", "arm64/v8")
+    wrong = by(pf.image_arch(arm, "n", "img:1", "x86_64"), "image_arch")
+    assert wrong["found"] == "arm64/v8: it cannot run on this x86_64 node"
+    assert wrong["fix"] == ("use an image built for linux/amd64 (a multi-arch tag or one built on a Spark), then "
+                            "remove this one: docker image rm img:1")
+    # An architecture the table does not know is compared as docker would name it.
+    assert by(pf.image_arch({"rc": 0, "stdout": json.dumps([{"Architecture": "mips64le"}])}, "n", "i", "mips64le"),
+              "image_arch")["status"] == "pass"
+    empty = by(pf.image_arch({"rc": 0, "stdout": "[]"}, "n", "i", "aarch64"), "image_arch")
+    assert (empty["status"], empty["found"]) == ("fail", "unknown: it cannot run on this aarch64 node")
+    broken = by(pf.image_arch({"rc": 1, "stderr": "\ndenied\n"}, "n", "img:1", "aarch64"), "image_arch")
+    assert (broken["status"], broken["found"], broken["fix"]) == (
+        "fail", "denied", "run `docker image inspect img:1` and fix what it reports")
+    assert by(pf.image_arch({"rc": 1}, "n", "i", "aarch64"), "image_arch")["found"] == "docker image inspect failed"
+    gone = by(pf.image_arch({"rc": 1, "stderr": "Error: No such object: i"}, "n", "i", "aarch64"), "image_arch")
+    assert gone["status"] == "skip" and gone["found"] == "image absent (the image role pulls or streams it)"
+    assert by(pf.image_arch({"skipped": True}, "n", "i", "aarch64"), "image_arch")["found"] == \
+        "docker not usable (see the docker row)"
+
+
+def test_disk_sizes_are_human():
+    assert [pf._human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20, 5 * 2**30, 3 * 2**40, -2048)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.0 GiB", "3.0 TiB", "-2.0 KiB"]
+    assert pf._human_bytes(1023 * 2**30) == "1023.0 GiB"
+
+
+def test_disk_at_the_cache_dir_itself_on_a_mount_with_spaces():
+    probe = {"rc": 0, "stdout": "path=/hub\nFilesystem 1-blocks Used Available Capacity Mounted on\n"
+                                f"/dev/sda1 100 1 {3 * 2**30} 1% /mnt/big disk\n"}
+    r = by(pf.disk(probe, "n", "/hub", 2 * 2**30), "disk")
+    assert r == pf.row("n", "disk", "pass", ">= 2.0 GiB free for /hub", "3.0 GiB free on /mnt/big disk at /hub")
+    short = by(pf.disk(probe, "n", "/hub", 5 * 2**30), "disk")
+    assert short["fix"] == ("free 2.0 GiB on /mnt/big disk, or point model.cache_dir at a larger disk (the same path "
+                            "on every node)")
+    exact = by(pf.disk(probe, "n", "/hub", 3 * 2**30), "disk")
+    assert exact["status"] == "pass"
+
+
+def test_disk_with_the_whole_model_already_there_needs_nothing():
+    probe = {"rc": 0, "stdout": "path=/hub\n" + DF.format(avail=0) + f"{7 * 2**30}\t/hub/models--a--b\n"}
+    r = by(pf.disk(probe, "n", "/hub", 6 * 2**30), "disk")
+    assert r["status"] == "pass"
+    assert r["expected"] == ">= 0 B free for /hub (model 6.0 GiB, 7.0 GiB already there)"
+
+
+def test_disk_without_a_df_answer_fails_with_the_reason():
+    for probe, why in (({"rc": 0, "stdout": "path=/hub\n"}, "df gave no answer"),
+                       ({"rc": 1, "stderr": "df: /hub: Permission denied"}, "df: /hub: Permission denied"),
+                       ({"rc": 0, "stdout": "path=/\nFilesystem 1-blocks Used Available Capacity Mounted on\n"
+                                            "overlay 1 1 lots 1% /\n"}, "df gave no answer")):
+        r = by(pf.disk(probe, "n", "/hub", 10), "disk")
+        assert r["status"] == "fail" and r["found"] == f"cannot measure free space: {why}"
+        assert r["fix"] == "check that /hub (or a parent) is readable by the deploying user"
+
+
+def test_gpu_details():
+    two = {"rc": 0, "stdout": "GPU 0: NVIDIA GB10 (UUID: GPU-1)\nGPU 1: NVIDIA GB10 (UUID: GPU-2)\nnoise\n"}
+    r = by(pf.gpu(two, "n", "2"), "gpu")
+    assert (r["status"], r["expected"], r["found"]) == ("pass", "nvidia-smi -L lists 2 GPU(s)",
+                                                        "2 GPU(s): GPU 0: NVIDIA GB10")
+    none = by(pf.gpu({"rc": 0, "stdout": "No devices found.\n"}, "n", 1), "gpu")
+    assert (none["status"], none["found"]) == ("fail", "0 GPU(s)")
+    assert none["fix"] == "check the driver and `nvidia-smi -L`; fix gpus: in the spec"
+    silent = by(pf.gpu({"rc": 9, "stdout": "", "stderr": ""}, "n", 1), "gpu")
+    assert silent["found"] == "nvidia-smi failed" and silent["fix"].startswith("the driver does not answer")
+    # A GPU listed on a failing nvidia-smi is still a failure.
+    assert by(pf.gpu({"rc": 9, "stdout": two["stdout"]}, "n", 1), "gpu")["status"] == "fail"
+
+
+def test_security_rows_for_every_dashboard_and_host():
+    cluster = {"ray": {"dashboard": "localhost"}, "serving": {"api_key_env": None, "host": "127.0.0.1", "port": 8}}
+    rows = pf.security(cluster, "spark-a")
+    assert by(rows, "ray_dashboard")["found"] == "on, bound to 127.0.0.1:8265 (reach it through an SSH tunnel)"
+    assert by(rows, "ray_dashboard")["status"] == "info"
+    assert by(rows, "api_key") == pf.row("spark-a", "api_key", "info",
+                                         "an API key on an endpoint reachable beyond the head",
+                                         "no key; the endpoint listens on 127.0.0.1:8 only")
+    cluster["ray"]["dashboard"] = "0.0.0.0"
+    dash = by(pf.security(cluster, "spark-a"), "ray_dashboard")
+    assert (dash["status"], dash["fix"]) == ("warn", "set ray.dashboard: off")
+    assert dash["found"].startswith("0.0.0.0: the Jobs API runs code for anyone")
+    open_ = by(pf.security({"ray": {"dashboard": "off"}, "serving": {"host": "0.0.0.0", "port": 1}}, "a"), "api_key")
+    assert open_["fix"] == "set serving.api_key_env to the name of an env var holding a key"
+
+
+def test_spec_sha256_details():
+    st = {"stat": {"exists": True, "checksum": "cd" * 32}}
+    stale = by(pf.spec_sha256(st, "c.yml", "ab" * 32), "spec_sha256")
+    assert stale["expected"] == "the spec file hashes to abababababab, as at render time"
+    assert stale["found"] == "c.yml: cdcdcdcdcdcd: the spec changed after the inventory was rendered"
+    assert stale["fix"] == "re-render (hy3spark render c.yml), then run the play again"
+    assert by(pf.spec_sha256(None, "c.yml", "ab" * 32), "spec_sha256")["found"] == "c.yml not found on the controller"
+    ok = by(pf.spec_sha256({"stat": {"exists": True, "checksum": "ab" * 32}}, "c.yml", "ab" * 32), "spec_sha256")
+    assert ok["found"] == "c.yml: abababababab"
+
+
+def test_collect_a_node_without_hostvars_is_a_failure():
+    rows = pf.collect({}, ["a"], ["a"], [])
+    assert rows == [pf.row("a", "reachable", "fail", "Ansible reaches the node",
+                           "no results: unreachable, or a probe failed before the report",
+                           "check the connection (ansible -m ping) and the earlier error for this node")]
+
+
+def test_collect_with_a_custom_key():
+    rows = pf.collect({"a": {"k": [pf.row("a", "gpu", "pass", "1", "1")]}}, ["a"], ["a"], [], key="k")
+    assert [r["check"] for r in rows] == ["gpu"]
+
+
+def test_row_refuses_an_unknown_status():
+    with pytest.raises(ValueError, match="unknown status 'ok'"):
+        pf.row("n", "gpu", "ok", "", "")
+
+
+def test_key_names_rows_with_and_without_a_target():
+    assert pf.key(pf.row("a", "ssh", "fail", "", "", target="b")) == "a/ssh/b"
+    assert pf.key(pf.row("a", "gpu", "fail", "", "")) == "a/gpu"
+
+
+def test_table_wraps_long_cells_and_cuts_long_words():
+    rows = [pf.row("n", "disk", "fail", "x", "y", "w" * 130 + " short words here")]
+    lines = pf.table(rows).splitlines()
+    fix_col = lines[0].index("HOW TO FIX")
+    body = [line[fix_col:] for line in lines[2:-2]]
+    assert body == ["w" * 56, "w" * 56, "w" * 18 + " short words here"]
+    assert all(len(line) <= fix_col + 56 for line in lines)
+
+
+def test_table_columns_are_as_wide_as_their_longest_cell_up_to_the_cap():
+    rows = [pf.row("spark-a", "gpu", "pass", "1", "1"), pf.row("b", "ssh", "warn", "2", "2", target="spark-c")]
+    lines = pf.table(rows).splitlines()
+    assert lines[0] == "NODE     CHECK        STATUS  EXPECTED  FOUND  HOW TO FIX"
+    assert lines[1] == "-------  -----------  ------  --------  -----  ----------"
+    assert lines[2] == "spark-a  gpu          PASS    1         1"
+    assert lines[3] == "b        ssh spark-c  WARN    2         2"
+    assert lines[-1] == "preflight: 1 pass, 0 fail, 1 warn, 0 skip, 0 info"
+
+
+def test_hca_netdevs_from_sysfs_ignore_other_paths_and_sort():
+    files = find(("rocep1s0f1", "eth9"), ("rocep1s0f1", "eth1"), extra_hcas=("mlx5_0",))
+    files["files"] += [{"path": "/elsewhere/class/infiniband/x"}, {"path": f"{ROOT}/class/infiniband/y/ports/1"}]
+    assert pf.hca_netdevs(files, {"skipped": True}, ROOT + "/") == {"rocep1s0f1": ["eth1", "eth9"], "mlx5_0": []}
+    ibdev = {"rc": 0, "stdout": "rocep1s0f1 port 1 ==> eth1 (Up)\nnoise\nrocep1s0f1 port 2 ==> eth2 (Down)\n"}
+    assert pf.hca_netdevs(files, ibdev, ROOT) == {"rocep1s0f1": ["eth1", "eth2"]}
+    # ibdev2netdev that failed falls back to sysfs.
+    assert pf.hca_netdevs(find(("h1", "x1")), {"rc": 1, "stdout": "h9 port 1 ==> x9 (Up)"}, ROOT) == {"h1": ["x1"]}
+
+
+def test_hca_attr_paths_list_each_netdev_once():
+    paths = pf.hca_attr_paths(find(("h1", "eth1"), ("h2", "x2")), {"skipped": True}, ROOT + "/", ["eth1"], ["h1", "h2"])
+    assert paths == [f"{ROOT}/class/net/eth1/phys_port_name", f"{ROOT}/class/net/x2/phys_port_name",
+                     f"{ROOT}/class/infiniband/h1/ports/1/state", f"{ROOT}/class/infiniband/h2/ports/1/state"]
+    assert pf.hca_find_paths("/sys/", []) == ["/sys/class/infiniband"]
+
+
+def test_hca_skip_and_warn_rows_say_what_was_listed_and_found():
+    absent = pf.hca({"stat": {"exists": False}}, {}, {"rc": 1}, {}, "n", [], ["eth1"], "/sys")
+    assert absent == [pf.row("n", "hca", "skip", "no HCAs listed", "no RDMA devices (/sys/class/infiniband absent)")]
+    listed = pf.hca({}, {}, {"skipped": True}, {}, "n", ["h1", "h2"], ["eth1"], "/sys")
+    assert by(listed, "hca")["expected"] == "h1, h2"
+    # ibdev2netdev answered: the devices exist even when the sysfs probe did not run.
+    ibdev = {"rc": 0, "stdout": "rocep1s0f1 port 1 ==> eth1 (Up)\n"}
+    rows = pf.hca({}, {}, ibdev, {"rc": 0, "stdout": ""}, "n", [], ["eth1"], "/sys")
+    warn = by(rows, "hca")
+    assert (warn["status"], warn["found"]) == ("warn", "rocep1s0f1 -> eth1")
+    assert warn["fix"].startswith("list both twins of the cabled port in fabric.hcas (ibdev2netdev)")
+    empty = pf.hca(EXISTS, {"files": []}, {"skipped": True}, attrs({}, {}), "n", [], ["eth1"], ROOT)
+    assert by(empty, "hca")["found"] == "none [sysfs root /srv/sim]"
+    bare = pf.hca(EXISTS, find(extra_hcas=("mlx5_0",)), {"skipped": True}, attrs({}, {}), "n", [], ["eth1"], ROOT)
+    assert by(bare, "hca")["found"] == "mlx5_0 -> ? [sysfs root /srv/sim]"
+
+
+def test_hca_twin_on_the_same_port_through_its_own_netdev_passes():
+    # The second twin's netdev is not the fabric interface but sits on the same physical port (p1).
+    rows = pf.hca(EXISTS, find(("rocep1s0f1", "eth1"), ("roceP2p1s0f1", "enP2p1s0f1np1")), {"skipped": True},
+                  attrs({"eth1": "p1", "enP2p1s0f1np1": "p1"}, {"rocep1s0f1": ACTIVE, "roceP2p1s0f1": ACTIVE}),
+                  "n", ["rocep1s0f1", "roceP2p1s0f1"], ["eth1"], ROOT)
+    twin = by(rows, "hca", "roceP2p1s0f1")
+    assert twin == pf.row("n", "hca", "pass", "roceP2p1s0f1 on eth1 (port p1), the port carrying the fabric address",
+                          "roceP2p1s0f1 -> enP2p1s0f1np1 (p1), 4: ACTIVE [sysfs root /srv/sim]", target="roceP2p1s0f1")
+
+
+def test_hca_without_port_names_is_judged_by_netdev_only():
+    rows = pf.hca(EXISTS, find(("h1", "eth1"), ("h2", "eth2")), {"skipped": True}, attrs({}, {}), "n", ["h1", "h2"],
+                  ["eth1"], ROOT)
+    assert by(rows, "hca", "h1") == pf.row("n", "hca", "pass", "h1 on eth1, the port carrying the fabric address",
+                                           "h1 -> eth1 [sysfs root /srv/sim]", target="h1")
+    other = by(rows, "hca", "h2")
+    assert (other["status"], other["found"]) == ("fail", "h2 -> eth2 [sysfs root /srv/sim]")
+    assert other["fix"] == ("h2 belongs to eth2, not to eth1: list the HCAs that ibdev2netdev maps to eth1 (both "
+                            "twins) in fabric.hcas")
+
+
+def test_hca_without_netdev_and_a_missing_one():
+    rows = pf.hca(EXISTS, find(extra_hcas=("h1",)), {"skipped": True}, attrs({}, {}), "n", ["h1", "h9"], ["eth1"],
+                  ROOT)
+    lone = by(rows, "hca", "h1")
+    assert (lone["status"], lone["found"]) == ("fail", "h1 -> no netdev [sysfs root /srv/sim]")
+    assert lone["fix"].startswith("h1 belongs to no netdev, not to eth1")
+    missing = by(rows, "hca", "h9")
+    assert missing["found"] == "no HCA h9 (present: h1) [sysfs root /srv/sim]"
+    assert missing["fix"] == "copy the names ibdev2netdev maps to the fabric interface into fabric.hcas"
+    nothing = pf.hca(EXISTS, {"files": []}, {"skipped": True}, attrs({}, {}), "n", ["h9"], ["eth1"], "/sys")
+    assert by(nothing, "hca", "h9")["found"] == "no HCA h9 (present: none)"
+
+
+def test_hca_inactive_port_fix_names_the_netdevs():
+    rows = pf.hca(EXISTS, find(("h1", "eth1")), {"skipped": True}, attrs({"eth1": "p1"}, {"h1": "1: DOWN"}), "n",
+                  ["h1"], ["eth1"], ROOT)
+    r = by(rows, "hca", "h1")
+    assert (r["status"], r["found"]) == ("fail", "h1 -> eth1 (p1), 1: DOWN [sysfs root /srv/sim]")
+    assert r["fix"] == "h1's port is not ACTIVE: check the cable and the link of eth1"
+
+
+def test_files_by_path_keeps_the_first_value():
+    grep = {"stdout": "/a:1\n/b: x \n/a:2\nno separator\n"}
+    assert pf._files_by_path(grep) == {"/a": "1", "/b": "x"}
+
+
+# --- earlyoom in detail ---------------------------------------------------------------------------------------
+def test_earlyoom_args_file_parsing():
+    assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a|b)\'"\n') == ["-m", "3", "--prefer", "(a|b)"]
+    assert pf._file_args('export EARLYOOM_ARGS="-r 60"  # a comment\n') == ["-r", "60"]
+    assert pf._file_args("  EARLYOOM_ARGS=-m\n") == ["-m"]
+    # The last assignment wins, as in a shell.
+    assert pf._file_args('EARLYOOM_ARGS="-m 1"\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
+    assert pf._file_args("# EARLYOOM_ARGS=-m 5\nOTHER=1\n") is None
+    assert pf._file_args("EARLYOOM_ARGS=\n") == []
+    # Unbalanced quotes: earlyoom would get the raw words.
+    assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a"\n') == ["-m", "3", "--prefer", "'(a"]
+    assert pf._file_args("EARLYOOM_ARGS='-m 3\n") == ["'-m", "3"]
+
+
+def test_earlyoom_option_forms():
+    assert pf._option(["--prefer", "a", "--prefer=b"], "--prefer") == "b"
+    assert pf._option(["--prefer=x=y"], "--prefer") == "x=y"
+    assert pf._option(["-m", "3", "--prefer"], "--prefer") is None
+    assert pf._option(["--preferred", "a"], "--prefer") is None
+
+
+def test_earlyoom_provenance():
+    assert pf._provenance("# Default settings for earlyoom. This file is sourced by /bin/sh\n", MANAGED) == \
+        "the earlyoom package's default file"
+    assert pf._provenance("EARLYOOM_ARGS=-m 3\n", MANAGED) == "unknown (no provenance header)"
+    assert pf._provenance("#Configured by:  me \n", "") == "me"
+    late = "\n" * 12 + f"# {MANAGED}\n"
+    assert pf._provenance(late, MANAGED) == "unknown (no provenance header)"
+
+
+def test_earlyoom_matches_ignores_a_broken_regex():
+    assert pf._matches("(vllm", NAMES) == []
+    assert pf._matches("", NAMES) == []
+    assert pf._matches("^ray", NAMES) == ["raylet", "ray::IDLE"]
+
+
+def test_main_pid_of_a_stopped_unit_is_zero():
+    assert pf.main_pid({"rc": 3, "stdout": "Main PID: 42 (code=exited)"}) == 0
+    assert pf.main_pid({"rc": 0, "stdout": "Active: active"}) == 0
+
+
+def test_earlyoom_policy_stop_with_a_killing_prefer_is_a_warning_that_says_so():
+    args = ["--prefer", "(vllm|python)"]
+    r = by(pf.earlyoom(None, {"rc": 0}, cmdline(args), "n", "stop", MANAGED, NAMES), "earlyoom")
+    assert r["status"] == "warn"
+    assert r["fix"] == "policy stop: the earlyoom role stops earlyoom; run it before serving"
+    assert r["found"] == ("running; config from: no config file; --prefer (vllm|python) would kill first: vllm, "
+                          "python3, python; no --avoid")
+
+
+def test_earlyoom_unprotected_names_under_policy_leave_point_at_the_file():
+    text = 'EARLYOOM_ARGS="--avoid ^(vllm|python3|python)$"\n'
+    r = by(pf.earlyoom(slurp(text), NOT_RUNNING, {"skipped": True}, "n", "leave", MANAGED, NAMES,
+                       conf_path="/etc/x"), "earlyoom")
+    assert r["status"] == "warn"
+    assert r["fix"] == "add VLLM::EngineCor, raylet, ray::IDLE, gcs_server to --avoid in /etc/x"
+    assert r["found"] == ("not running; config from: unknown (no provenance header); no --prefer; --avoid protects: "
+                          "vllm, python3, python")
+    assert r["expected"] == ("--prefer matches none of vllm, VLLM::EngineCor, raylet, ray::IDLE, gcs_server, python3, "
+                             "python; --avoid protects them")
+    # Under policy stop earlyoom will not run at all: nothing to protect.
+    assert by(pf.earlyoom(slurp(text), NOT_RUNNING, {"skipped": True}, "n", "stop", MANAGED, NAMES),
+              "earlyoom")["status"] == "pass"
+
+
+def test_earlyoom_running_without_a_file_and_with_a_file_without_args():
+    absent = pf.earlyoom({"skipped": True}, {"rc": 4}, None, "n", "leave", MANAGED, NAMES, conf_path="/etc/x")
+    assert by(absent, "earlyoom")["found"] == "earlyoom not installed/running (/etc/x absent); spec policy: leave"
+    no_args = by(pf.earlyoom(slurp("# nothing here\n"), NOT_RUNNING, {"skipped": True}, "n", "protect", MANAGED,
+                             NAMES), "earlyoom")
+    assert no_args["found"] == ("not running; config from: unknown (no provenance header); no --prefer; no --avoid")
+    assert no_args["fix"].startswith("add vllm, VLLM::EngineCor, raylet, ray::IDLE, gcs_server, python3, python to "
+                                     "earlyoom.avoid in the spec")
+    same = cmdline(["-r", "3600", "-m", "4", "-s", "100", "--avoid", "^(vllm|VLLM|ray|raylet|gcs_server|python3|"
+                    "python)$", "--prefer", "^(chrome|code)$"])
+    r = by(pf.earlyoom(slurp(OURS), {"rc": 0}, same, "n", "protect", MANAGED, NAMES), "earlyoom")
+    assert r["found"].startswith("running; config from: hy3spark (managed header)")
+    assert "restart pending" not in r["found"]
