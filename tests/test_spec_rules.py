@@ -1,0 +1,648 @@
+"""The spec rules one by one, through parse_spec: each mistake is refused with the field path, the line and a message
+that says what to do; each legal edge is accepted. (tests/test_spec_validation.py drives the same rules through
+the CLI.)"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hy3spark.errors import SpecError
+from hy3spark.spec import (
+    Earlyoom,
+    Fabric,
+    Hardware,
+    Model,
+    ModelArch,
+    Node,
+    Pi,
+    Ray,
+    Serving,
+    SpecModel,
+    deep_merge,
+    format_path,
+    load_spec,
+    parse_spec,
+    profile_description,
+)
+
+# A complete two-Spark spec without a profile, so every value a test changes is in the user's file.
+BASE: dict[str, Any] = {
+    "name": "pair",
+    "head": {"name": "spark-a", "fabric_ip": "10.0.0.1/24", "ssh_user": "ops"},
+    "workers": [{"name": "spark-b", "fabric_ip": "10.0.0.2/24", "ssh_user": "ops"}],
+    "fabric": {"interfaces": ["enp1s0f1np1"], "hcas": ["rocep1s0f1", "roceP2p1s0f1"], "mtu": 9000},
+    "image": {"ref": "vllm/vllm-openai:v0.23.0"},
+    "model": {
+        "repo": "org/model",
+        "revision": "0123456789abcdef0123456789abcdef01234567",
+        "cache_dir": "/var/lib/hy3spark/hub",
+        "size_bytes": 1000,
+        "arch": {"num_hidden_layers": 4, "num_key_value_heads": 8, "head_dim": 64, "max_context": 4096},
+    },
+    "serving": {"served_name": "m", "tensor_parallel": 2, "max_model_len": 4096, "max_num_seqs": 4,
+                "api_key_env": "VLLM_API_KEY"},
+}
+
+
+def spec_text(**over: Any) -> str:
+    """BASE with `over` merged in (a value of None removes the key), as YAML."""
+    data = copy.deepcopy(BASE)
+    for key, value in over.items():
+        if value is None:
+            data.pop(key)
+        elif isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = deep_merge(data[key], value)
+        else:
+            data[key] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text, "cluster.yml")
+    assert caught.value.source == "cluster.yml"
+    return caught.value.problems
+
+
+def only_problem(text: str) -> str:
+    found = problems(text)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def at(text: str, fragment: str, source: str = "cluster.yml") -> str:
+    """`source:N:` for the first line of `text` that contains `fragment`: where the user would look."""
+    number = next(i for i, line in enumerate(text.splitlines(), 1) if fragment in line)
+    return f"{source}:{number}:"
+
+
+def node(name: str, ip: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "fabric_ip": ip, "ssh_user": "ops", **extra}
+
+
+def test_base_is_valid_and_warns_about_nothing() -> None:
+    loaded = parse_spec(spec_text(), "cluster.yml")
+    assert loaded.warnings == []
+    assert loaded.spec.gpu_count == 2 and loaded.spec.multi_node and loaded.spec.verify_transport
+
+
+# --- nodes --------------------------------------------------------------------------------------------------------
+def test_ssh_goes_to_ssh_host_then_mgmt_ip_then_the_fabric_address() -> None:
+    workers = [node("spark-b", "10.0.0.2/24", ssh_host="b.lan", mgmt_ip="192.168.1.12"),
+               node("spark-c", "10.0.0.3/24", mgmt_ip="192.168.1.13"),
+               node("spark-d", "10.0.0.4/24")]
+    spec = parse_spec(spec_text(workers=workers, serving={"tensor_parallel": 4}), "c.yml").spec
+    assert [n.connect_host for n in spec.nodes] == ["10.0.0.1", "b.lan", "192.168.1.13", "10.0.0.4"]
+
+
+def test_a_second_worker_with_the_first_workers_name_is_named_by_its_own_path() -> None:
+    workers = [node("spark-b", "10.0.0.2/24"), node("spark-b", "10.0.0.3/24")]
+    text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 3})
+    assert only_problem(text).endswith(
+        "workers[1].name: 'spark-b' is already used by workers[0]; each node needs its own name")
+
+
+def test_ssh_host_equal_to_another_nodes_fabric_address_is_refused() -> None:
+    text = spec_text(workers=[node("spark-b", "10.0.0.2/24", ssh_host="10.0.0.1")])
+    assert only_problem(text).endswith(
+        "workers[0].ssh_host: '10.0.0.1' is already used by head; each node needs its own ssh_host")
+
+
+def test_different_names_and_addresses_do_not_collide() -> None:
+    # Two nodes may share an ssh_user and a management subnet; the names and addresses differ.
+    workers = [node("spark-b", "10.0.0.2/24", mgmt_ip="192.168.1.12")]
+    head = node("spark-a", "10.0.0.1/24", mgmt_ip="192.168.1.11")
+    spec = parse_spec(spec_text(head=head, workers=workers), "c.yml").spec
+    assert [n.connect_host for n in spec.nodes] == ["192.168.1.11", "192.168.1.12"]
+
+
+def test_worker_with_another_prefix_in_the_same_subnet() -> None:
+    assert only_problem(spec_text(workers=[node("spark-b", "10.0.0.2/16")])).endswith(
+        "workers[0].fabric_ip: prefix /16 differs from the head's /24; use one prefix on every node")
+
+
+def test_worker_outside_the_heads_subnet_names_both() -> None:
+    text = spec_text(workers=[node("spark-b", "10.0.1.2/24")])
+    assert only_problem(text) == (f"{at(text, '10.0.1.2/24')} workers[0].fabric_ip: 10.0.1.2/24 is not in the head's "
+                                  "fabric subnet 10.0.0.0/24; all fabric addresses must share one subnet")
+
+
+@pytest.mark.parametrize(("head_ip", "worker_ip", "bad"), [
+    ("127.0.0.1/8", "127.0.0.2/8", "127.0.0.1"),
+    ("224.0.0.1/24", "224.0.0.2/24", "224.0.0.1"),
+    ("0.0.0.0/0", "10.0.0.2/0", "0.0.0.0"),
+])
+def test_unusable_fabric_addresses(head_ip: str, worker_ip: str, bad: str) -> None:
+    found = problems(spec_text(head=node("spark-a", head_ip), workers=[node("spark-b", worker_ip)]))
+    assert any(p.endswith(f"head.fabric_ip: {bad} is not usable as a fabric address (link-local, loopback or "
+                          "multicast); give the port a static private address such as 10.0.0.1/24") for p in found)
+
+
+@pytest.mark.parametrize(("ip", "what"), [("10.0.0.0/24", "10.0.0.0"), ("10.0.0.255/24", "10.0.0.255")])
+def test_network_and_broadcast_addresses_are_refused(ip: str, what: str) -> None:
+    assert only_problem(spec_text(workers=[node("spark-b", ip)])).endswith(
+        f"workers[0].fabric_ip: {what} is the network or broadcast address of 10.0.0.0/24")
+
+
+def test_a_host_address_next_to_the_broadcast_address_is_fine() -> None:
+    spec = parse_spec(spec_text(workers=[node("spark-b", "10.0.0.254/24")]), "c.yml").spec
+    assert str(spec.workers[0].fabric_ip.ip) == "10.0.0.254"
+
+
+def test_management_address_inside_the_fabric_subnet() -> None:
+    text = spec_text(workers=[node("spark-b", "10.0.0.2/24", mgmt_ip="10.0.0.20")])
+    assert only_problem(text).endswith(
+        "workers[0].mgmt_ip: 10.0.0.20 is inside the fabric subnet 10.0.0.0/24; the management network must be a "
+        "different subnet")
+
+
+def test_heads_management_address_inside_the_fabric_subnet() -> None:
+    text = spec_text(head=node("spark-a", "10.0.0.1/24", mgmt_ip="10.0.0.10"))
+    assert only_problem(text).endswith("head.mgmt_ip: 10.0.0.10 is inside the fabric subnet 10.0.0.0/24; the "
+                                       "management network must be a different subnet")
+
+
+# --- fabric -------------------------------------------------------------------------------------------------------
+def test_an_interface_also_listed_as_hca_is_refused() -> None:
+    text = spec_text(fabric={"interfaces": ["enp1s0f1np1"], "hcas": ["enp1s0f1np1"]})
+    found = problems(text)
+    assert found[0].startswith(f"{at(text, '- enp1s0f1np1')} fabric.interfaces[0]: 'enp1s0f1np1' is an RDMA device "
+                               "(HCA) name, not the network interface that carries the address; put it under "
+                               "fabric.hcas")
+    hca_line = [i for i, line in enumerate(text.splitlines(), 1) if "- enp1s0f1np1" in line][1]
+    assert found[1] == (f"cluster.yml:{hca_line}: fabric.hcas[0]: 'enp1s0f1np1' does not look like an RDMA device "
+                        "name (rocep1s0f1, roceP2p1s0f1, mlx5_0); list the HCAs that `ibdev2netdev` maps to the "
+                        "cabled port")
+    assert len(found) == 2
+
+
+@pytest.mark.parametrize("hca", ["rocep1s0f1", "roceP2p1s0f1", "mlx5_0", "ibp1s0"])
+def test_rdma_device_names_are_accepted_as_hcas_and_refused_as_interfaces(hca: str) -> None:
+    parse_spec(spec_text(fabric={"hcas": [hca, "mlx5_9"]}), "c.yml")
+    text = spec_text(fabric={"interfaces": [hca], "hcas": []})
+    assert only_problem(text).startswith(f"{at(text, '- ' + hca)} fabric.interfaces[0]: {hca!r} is an RDMA device "
+                                         "(HCA) name")
+
+
+def test_second_hca_that_is_not_an_rdma_name_is_named_by_index() -> None:
+    text = spec_text(fabric={"hcas": ["rocep1s0f1", "eth1"]})
+    assert only_problem(text).startswith(f"{at(text, '- eth1')} fabric.hcas[1]: 'eth1' does not look like an RDMA "
+                                         "device name")
+
+
+@pytest.mark.parametrize(("names", "message"), [
+    (["enp1s0f1np1", "enp1s0f1np1"], "lists a device twice"),
+    (["a-name-of-16-chr"], "'a-name-of-16-chr' is not a valid device name (1-15 letters, digits, _.:-)"),
+    (["eth 1"], "'eth 1' is not a valid device name"),
+])
+def test_device_lists(names: list[str], message: str) -> None:
+    assert message in only_problem(spec_text(fabric={"interfaces": names}))
+
+
+def test_a_device_name_of_15_characters_is_fine() -> None:
+    assert parse_spec(spec_text(fabric={"interfaces": ["a-name-of-15-ch"]}), "c.yml").spec.fabric.interfaces == [
+        "a-name-of-15-ch"]
+
+
+# --- serving ------------------------------------------------------------------------------------------------------
+def test_more_pipeline_stages_than_layers() -> None:
+    workers = [node(f"spark-{c}", f"10.0.0.{i}/24") for i, c in enumerate("bcde", start=2)]
+    text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 5})
+    assert only_problem(text).endswith("serving.pipeline_parallel: 5 stages for 4 layers")
+
+
+def test_as_many_pipeline_stages_as_layers_is_fine() -> None:
+    workers = [node(f"spark-{c}", f"10.0.0.{i}/24") for i, c in enumerate("bcd", start=2)]
+    spec = parse_spec(spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 4}), "c").spec
+    assert spec.serving.pipeline_parallel == spec.model.arch.num_hidden_layers
+
+
+def test_tp_times_pp_counts_the_gpus_of_every_node() -> None:
+    head = node("spark-a", "10.0.0.1/24", gpus=2)
+    assert parse_spec(spec_text(head=head, serving={"tensor_parallel": 1, "pipeline_parallel": 3}), "c").spec
+    assert only_problem(spec_text(head=head)).endswith(
+        "serving.tensor_parallel: tensor_parallel x pipeline_parallel = 2 x 1 = 2, but the cluster has 3 GPU(s) "
+        "(2 node(s)); make the product equal the GPU count")
+
+
+def test_max_model_len_equal_to_the_context_is_fine() -> None:
+    assert parse_spec(spec_text(serving={"max_model_len": 4096}), "c").spec.serving.max_model_len == 4096
+    assert only_problem(spec_text(serving={"max_model_len": 4097})).endswith(
+        "serving.max_model_len: 4097 is above the model's context of 4096 tokens; use at most 4096")
+
+
+@pytest.mark.parametrize("port", [6379, 6380, 6381, 20000, 20500, 20999])
+def test_serving_port_colliding_with_ray(port: int) -> None:
+    assert only_problem(spec_text(serving={"port": port})).endswith(
+        f"serving.port: {port} collides with a Ray port; pick another serving.port")
+
+
+@pytest.mark.parametrize("port", [6378, 6382, 19999, 21000])
+def test_serving_ports_next_to_rays_are_fine(port: int) -> None:
+    assert parse_spec(spec_text(serving={"port": port}), "c").spec.serving.port == port
+
+
+def test_ray_ports_must_differ() -> None:
+    assert only_problem(spec_text(ray={"port": 7000, "node_manager_port": 7000})).endswith(
+        "ray.port: ray.port, ray.node_manager_port and ray.object_manager_port must differ")
+    assert only_problem(spec_text(ray={"object_manager_port": 6380})).endswith(
+        "ray.port: ray.port, ray.node_manager_port and ray.object_manager_port must differ")
+
+
+@pytest.mark.parametrize(("low", "high"), [(21000, 21000), (21001, 21000)])
+def test_ray_worker_port_range_must_be_a_range(low: int, high: int) -> None:
+    found = only_problem(spec_text(ray={"min_worker_port": low, "max_worker_port": high}))
+    assert found.startswith("cluster.yml:") and "ray: " in found
+    assert found.endswith("min_worker_port must be below max_worker_port")
+
+
+def test_a_loopback_endpoint_needs_no_key() -> None:
+    loaded = parse_spec(spec_text(serving={"api_key_env": None, "host": "127.0.0.1"}), "c")
+    assert loaded.spec.serving.api_key_env is None and loaded.warnings == []
+
+
+def test_an_open_endpoint_on_purpose_is_a_warning() -> None:
+    text = spec_text(serving={"api_key_env": None, "open_endpoint": True})
+    loaded = parse_spec(text, "c")
+    assert loaded.warnings == [f"{at(text, 'open_endpoint', 'c')} serving.open_endpoint: the endpoint on "
+                               "0.0.0.0:8888 answers anyone who can reach it, without a key"]
+
+
+def test_open_endpoint_warns_unless_bound_to_loopback() -> None:
+    assert len(parse_spec(spec_text(serving={"open_endpoint": True}), "c").warnings) == 1
+    assert parse_spec(spec_text(serving={"open_endpoint": True, "host": "127.0.0.1"}), "c").warnings == []
+
+
+def test_speculative_config_needs_a_method() -> None:
+    assert only_problem(spec_text(serving={"speculative_config": {"num_speculative_tokens": 1}})).endswith(
+        "serving.speculative_config: needs a 'method' (for example mtp)")
+    spec = parse_spec(spec_text(serving={"speculative_config": {"method": "mtp"}}), "c").spec
+    assert spec.serving.speculative_config == {"method": "mtp"}
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host"])
+def test_extra_args_may_not_set_what_the_spec_derives(flag: str) -> None:
+    for arg in (flag, f"{flag}=4"):
+        assert only_problem(spec_text(serving={"extra_args": ["--enforce-eager", arg]})).endswith(
+            f"serving.extra_args: {flag} is derived from the spec; set the serving field instead")
+
+
+def test_extra_args_that_only_start_like_a_managed_flag_are_fine() -> None:
+    args = ["--port-range=1", "--hostname=x", "--api-key-file=/run/k", "--allowed-origins=*", "--async-scheduling"]
+    assert parse_spec(spec_text(serving={"extra_args": args}), "c").spec.serving.extra_args == args
+
+
+def test_api_key_flag_without_a_value_is_refused_too() -> None:
+    assert "--api-key would put the key on the process command line" in only_problem(
+        spec_text(serving={"extra_args": ["--api-key", "abc"]}))
+
+
+def test_verify_transport_defaults_to_multi_node() -> None:
+    single = spec_text(workers=[], serving={"tensor_parallel": 1})
+    assert parse_spec(single, "c").spec.verify_transport is False
+    assert parse_spec(single.replace("  api_key_env:", "  verify_transport: true\n  api_key_env:"),
+                      "c").spec.verify_transport is True
+    assert parse_spec(spec_text(serving={"verify_transport": False}), "c").spec.verify_transport is False
+
+
+# --- secrets and env names ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("token_env", "HF-TOKEN", "model.token_env: 'HF-TOKEN' is not an environment variable name (for example "
+                              "HF_TOKEN)"),
+    ("token_env", "1TOKEN", "model.token_env: '1TOKEN' is not an environment variable name"),
+])
+def test_token_env_must_be_a_variable_name(field: str, value: str, message: str) -> None:
+    assert message in only_problem(spec_text(model={field: value}))
+
+
+def test_api_key_env_must_be_a_variable_name_or_a_secret_is_suspected() -> None:
+    assert only_problem(spec_text(serving={"api_key_env": "my key"})).endswith(
+        "serving.api_key_env: 'my key' is not an environment variable name (for example VLLM_API_KEY)")
+    found = only_problem(spec_text(serving={"api_key_env": "sk-abcdefghijklmnop1234"}))
+    assert "serving.api_key_env: looks like a secret written inline" in found
+    assert "sk-abcdefghijklmnop1234" not in found
+
+
+def test_no_token_env_at_all_is_allowed() -> None:
+    assert parse_spec(spec_text(model={"token_env": None}), "c").spec.model.token_env is None
+
+
+def test_a_secret_pasted_into_a_list_is_found_and_not_echoed() -> None:
+    secret = "hf_" + "a" * 24
+    found = only_problem(spec_text(serving={"extra_args": ["--x", secret]}))
+    assert found.startswith("cluster.yml:")
+    assert "serving.extra_args[1]: looks like a secret written inline" in found
+    assert secret not in found
+
+
+@pytest.mark.parametrize("key", ["token", "HF_TOKEN", "Password", "api_key"])
+def test_secret_keys_are_refused_wherever_they_are(key: str) -> None:
+    text = spec_text(container={"env": {key: "x"}})
+    assert f"container.env.{key}: secrets are never written in the spec" in only_problem(text)
+
+
+def test_env_names_of_the_containers() -> None:
+    assert "'BAD-NAME' is not a valid environment variable name" in only_problem(
+        spec_text(container={"env": {"OK_NAME": "1", "BAD-NAME": "2"}}))
+
+
+def test_jinja_in_a_list_item_is_refused() -> None:
+    text = spec_text(serving={"extra_args": ["--x", "{% raw %}"]})
+    assert only_problem(text).startswith(f"{at(text, '{% raw %}')} serving.extra_args[1]: contains Jinja syntax")
+
+
+@pytest.mark.parametrize("mark", ["{{", "{%", "{#"])
+def test_every_jinja_mark_is_refused(mark: str) -> None:
+    assert "contains Jinja syntax" in only_problem(spec_text(serving={"served_name": f"m{mark}x"}))
+
+
+# --- model --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_dir", ["relative/hub", "/", "//"])
+def test_cache_dir_must_be_absolute_and_below_root(cache_dir: str) -> None:
+    assert f"model.cache_dir: '{cache_dir}': {cache_dir!r} must be an absolute path below /" in only_problem(
+        spec_text(model={"cache_dir": cache_dir}))
+
+
+def test_cache_dir_loses_its_trailing_slash_and_gives_the_repo_dir() -> None:
+    model = parse_spec(spec_text(model={"cache_dir": "/srv/hub/"}), "c").spec.model
+    assert model.cache_dir == "/srv/hub"
+    assert model.repo_dir == "/srv/hub/models--org--model"
+
+
+# --- messages, lines and warnings ---------------------------------------------------------------------------------
+def test_several_problems_are_all_reported_with_their_lines() -> None:
+    text = spec_text(workers=[node("spark-b", "10.0.0.1/24")], serving={"max_model_len": 5000})
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text, "cluster.yml")
+    worker_line = [i for i, line in enumerate(text.splitlines(), 1) if "10.0.0.1/24" in line][1]  # after the head's
+    assert caught.value.problems == [
+        f"cluster.yml:{worker_line}: workers[0].fabric_ip: 10.0.0.1 is the head's address; each node needs its own",
+        f"{at(text, 'max_model_len')} serving.max_model_len: 5000 is above the model's context of 4096 tokens; use "
+        "at most 4096",
+    ]
+    assert str(caught.value).startswith(f"2 problems in cluster.yml:\n  - cluster.yml:{worker_line}: ")
+
+
+def test_a_value_from_the_profile_is_reported_as_such() -> None:
+    text = "name: x\nprofile: hy3-295b-nvfp4-tp2\nhead: {name: a, fabric_ip: 10.0.0.1/24}\n" \
+           "fabric: {interfaces: [eth1]}\n"
+    found = only_problem(text)
+    # Hy3 at TP 2 on one GPU: the profile's tensor_parallel is not in the user's file, so no line.
+    assert found.startswith("cluster.yml (value from profile hy3-295b-nvfp4-tp2): serving.tensor_parallel: ")
+
+
+def test_a_missing_field_is_required_and_a_wrong_boolean_is_not_quoted() -> None:
+    assert only_problem(spec_text(image=None)) == "cluster.yml: image: is required"
+    found = only_problem(spec_text(serving={"trust_remote_code": [1]}))
+    assert found.startswith("cluster.yml:") and "serving.trust_remote_code: Input should be a valid boolean" in found
+
+
+def test_a_value_of_the_wrong_kind_is_quoted() -> None:
+    assert only_problem(spec_text(serving={"max_num_seqs": "many"})).endswith(
+        "serving.max_num_seqs: 'many': Input should be a valid integer, unable to parse string as an integer")
+
+
+def test_a_spec_that_is_not_a_mapping() -> None:
+    assert only_problem("- a\n- b\n") == "cluster.yml:1: the spec must be a YAML mapping (name:, profile:, head:, ...)"
+
+
+@pytest.mark.parametrize(("mtu", "warned"), [(1500, True), (8999, True), (9000, False)])
+def test_mtu_below_9000_on_a_multi_node_fabric_warns(mtu: int, warned: bool) -> None:
+    text = spec_text(fabric={"mtu": mtu})
+    warnings = parse_spec(text, "c").warnings
+    warning = f"{at(text, 'mtu:', 'c')} fabric.mtu: {mtu} is below 9000; RoCE throughput drops with standard frames"
+    assert warnings == ([warning] if warned else [])
+
+
+def test_single_node_warns_about_neither_mtu_nor_one_hca() -> None:
+    text = spec_text(workers=[], serving={"tensor_parallel": 1}, fabric={"mtu": 1500, "hcas": ["rocep1s0f1"]})
+    assert parse_spec(text, "c").warnings == []
+
+
+def test_a_tag_instead_of_a_sha_warns_with_its_line() -> None:
+    text = spec_text(model={"revision": "v1.0"})
+    warnings = parse_spec(text, "c").warnings
+    assert warnings == [f"{at(text, 'revision:', 'c')} model.revision: 'v1.0' is not a commit sha; a branch or tag "
+                        "can move under you: pin the 40-character sha the hub shows"]
+
+
+def test_format_path() -> None:
+    assert format_path(("workers", 1, "fabric_ip")) == "workers[1].fabric_ip"
+    assert format_path(("fabric", "hcas", 0)) == "fabric.hcas[0]"
+    assert format_path(()) == ""
+
+
+def test_deep_merge_replaces_lists_and_keeps_both_sides_intact() -> None:
+    base = {"a": {"b": 1, "c": [1, 2]}, "d": 1}
+    over = {"a": {"c": [3]}, "e": {"f": 1}}
+    merged = deep_merge(base, over)
+    assert merged == {"a": {"b": 1, "c": [3]}, "d": 1, "e": {"f": 1}}
+    merged["a"]["c"].append(4)
+    merged["e"]["f"] = 2
+    assert base == {"a": {"b": 1, "c": [1, 2]}, "d": 1} and over == {"a": {"c": [3]}, "e": {"f": 1}}
+
+
+def test_load_spec_refuses_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yml"
+    path.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert caught.value.problems == [f"{path}: the spec is not UTF-8 text (byte 9)"]
+
+
+def test_load_spec_hashes_the_bytes_and_remembers_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.yml"
+    path.write_text(spec_text())
+    loaded = load_spec(path)
+    assert loaded.path == str(path.resolve())
+    assert loaded.sha256 == __import__("hashlib").sha256(path.read_bytes()).hexdigest()
+    embedded = load_spec(None)
+    assert embedded.path is None and embedded.source == "<embedded default-cluster.yml>"
+
+
+def test_a_secret_check_goes_on_after_a_reference_left_out() -> None:
+    # No token_env at all must not end the check before serving.api_key_env.
+    assert only_problem(spec_text(model={"token_env": None}, serving={"api_key_env": "my key"})).endswith(
+        "serving.api_key_env: 'my key' is not an environment variable name (for example VLLM_API_KEY)")
+
+
+def test_a_second_worker_with_the_first_workers_fabric_address() -> None:
+    workers = [node("spark-b", "10.0.0.2/24"), node("spark-c", "10.0.0.2/24")]
+    text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 3})
+    assert only_problem(text).endswith(
+        "workers[1].fabric_ip: '10.0.0.2' is already used by workers[0]; each node needs its own fabric_ip")
+
+
+@pytest.mark.parametrize("prefix", [16, 25])
+def test_a_worker_inside_the_heads_subnet_with_a_shorter_or_longer_prefix(prefix: int) -> None:
+    assert only_problem(spec_text(workers=[node("spark-b", f"10.0.0.2/{prefix}")])).endswith(
+        f"workers[0].fabric_ip: prefix /{prefix} differs from the head's /24; use one prefix on every node")
+
+
+def test_divisors_offered_for_an_odd_kv_head_count() -> None:
+    text = spec_text(model={"arch": {"num_key_value_heads": 3}})
+    assert only_problem(text).endswith(
+        "serving.tensor_parallel: 2 does not divide the model's 3 KV heads; use one of [1, 3] (and pipeline_parallel "
+        "for the rest)")
+
+
+def test_malformed_yaml_further_down_reports_its_line() -> None:
+    text = spec_text().replace("  ssh_user: ops\nworkers", "  ssh_user: [ops\nworkers")
+    found = only_problem(text)
+    assert found.startswith("cluster.yml:") and "malformed YAML" in found
+    text = "name: x\nhead:\n  name: a\n  fabric_ip: 10.0.0.1/24\n bad: indent\n"
+    assert only_problem(text).startswith("cluster.yml:5: malformed YAML: ")
+
+
+def test_yaml_that_parses_but_cannot_be_built_is_malformed_too() -> None:
+    # SafeLoader composes any tag but refuses to build a Python object from one.
+    found = only_problem("name: !!python/name:os.system x\n")
+    assert found.startswith("cluster.yml: malformed YAML: could not determine a constructor for the tag")
+
+
+def test_a_profile_value_inside_a_section_the_user_wrote_gets_that_sections_line() -> None:
+    text = ("name: x\nprofile: hy3-295b-nvfp4-tp2\nhead: {name: a, fabric_ip: 10.0.0.1/24}\n"
+            "fabric: {interfaces: [eth1]}\nserving:\n  max_num_seqs: 4\n")
+    assert only_problem(text).startswith("cluster.yml:5: serving.tensor_parallel: tensor_parallel x pipeline_parallel "
+                                         "= 2 x 1 = 2, but the cluster has 1 GPU(s)")
+
+
+def test_profiles_describe_themselves() -> None:
+    assert profile_description("hy3-295b-nvfp4-tp2").startswith("Tencent Hy3 (295B MoE")
+
+
+def test_parse_spec_without_a_file_hash_hashes_the_text() -> None:
+    text = spec_text()
+    assert parse_spec(text, "c").sha256 == __import__("hashlib").sha256(text.encode()).hexdigest()
+    assert parse_spec(text, "c", sha256="ab" * 32).sha256 == "ab" * 32
+
+
+def test_the_defaults_a_user_gets_by_leaving_fields_out() -> None:
+    data = copy.deepcopy(BASE)
+    for section, key in (("fabric", "mtu"), ("head", "ssh_user"), ("model", "token_env")):
+        data[section].pop(key, None)
+    del data["workers"][0]["ssh_user"]
+    loaded = parse_spec(yaml.safe_dump(data), "c")
+    spec = loaded.spec
+    assert loaded.warnings == []
+    assert [(n.gpus, n.ssh_user) for n in spec.nodes] == [(1, "ubuntu"), (1, "ubuntu")]
+    assert spec.fabric.mtu == 9000
+    s = spec.serving
+    assert (str(s.host), s.port, s.pipeline_parallel, s.health_timeout_s, s.gpu_memory_utilization, s.overhead_gib,
+            s.kv_cache_dtype) == ("0.0.0.0", 8888, 1, 1800, 0.9, 3.0, "auto")
+    r = spec.ray
+    assert (r.port, r.node_manager_port, r.object_manager_port, r.min_worker_port, r.max_worker_port,
+            r.dashboard) == (6379, 6380, 6381, 20000, 20999, "off")
+    arch = spec.model.arch
+    assert (arch.dtype_bytes, arch.mtp_layers, arch.sliding_window_layers) == (2, 0, 0)
+    assert (spec.container.gpus, spec.container.name_prefix) == (True, "hy3spark")
+    assert (spec.earlyoom.policy, spec.earlyoom.mem_percent, spec.earlyoom.swap_percent) == ("protect", 4, 100)
+    assert (spec.pi.reasoning, spec.pi.max_tokens) == (True, 32768)
+    assert spec.hardware.total_memory_gib == 121.69
+    assert spec.model.token_env == "HF_TOKEN"
+
+
+# --- every bound of every numeric field: the bound is accepted, one past it is refused with the field path --------
+MODELS: dict[str, type[SpecModel]] = {"head": Node, "fabric": Fabric, "model": Model, "serving": Serving, "ray": Ray,
+                                      "earlyoom": Earlyoom, "pi": Pi, "hardware": Hardware}
+BOUNDS = [
+    (("head", "gpus"), 1, 8),
+    (("fabric", "mtu"), 576, 9216),
+    (("model", "size_bytes"), 1, None),
+    (("model", "arch", "num_hidden_layers"), 1, None),
+    (("model", "arch", "num_key_value_heads"), 1, None),
+    (("model", "arch", "head_dim"), 1, None),
+    (("model", "arch", "num_attention_heads"), 1, None),
+    (("model", "arch", "mtp_layers"), 0, None),
+    (("model", "arch", "sliding_window"), 1, None),
+    (("model", "arch", "sliding_window_layers"), 0, None),
+    (("model", "arch", "max_context"), 1, None),
+    (("serving", "port"), 1, 65535),
+    (("serving", "tensor_parallel"), 1, None),
+    (("serving", "pipeline_parallel"), 1, None),
+    (("serving", "max_model_len"), 16, None),
+    (("serving", "max_num_seqs"), 1, None),
+    (("serving", "health_timeout_s"), 10, None),
+    (("serving", "overhead_gib"), 0, None),
+    (("ray", "port"), 1, 65535),
+    (("ray", "object_store_memory_bytes"), 78643200, None),
+    (("ray", "node_manager_port"), 1, 65535),
+    (("ray", "object_manager_port"), 1, 65535),
+    (("ray", "min_worker_port"), 1024, None),  # its top is below max_worker_port's: see the range test
+    (("ray", "max_worker_port"), None, 65535),  # its bottom is above min_worker_port's: see the range test
+    (("earlyoom", "mem_percent"), 1, 50),
+    (("earlyoom", "swap_percent"), 1, 100),
+    (("pi", "max_tokens"), 1, None),
+]
+
+
+def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(data)
+    where = data
+    for key in path[:-1]:
+        where = where.setdefault(key, {})
+    where[path[-1]] = value
+    return data
+
+
+def _accepts(path: tuple[str, ...], value: Any) -> None:
+    """The field's own model takes the value (a whole spec may refuse it for another reason, e.g. TP x PP)."""
+    model = ModelArch if path[:2] == ("model", "arch") else MODELS[path[0]]
+    inner = path[2:] if model is ModelArch else path[1:]
+    section = BASE.get(path[0], {})
+    base = section["arch"] if model is ModelArch else section
+    built = model.model_validate(_set(base, inner, value))
+    for key in inner:
+        built = getattr(built, key)
+    assert built == value
+
+
+@pytest.mark.parametrize(("path", "low", "high"), BOUNDS, ids=lambda v: ".".join(v) if isinstance(v, tuple) else None)
+def test_numeric_bounds(path: tuple[str, ...], low: int | None, high: int | None) -> None:
+    field = format_path(path)
+    if low is not None:
+        _accepts(path, low)
+        assert only_problem(yaml.safe_dump(_set(BASE, path, low - 1))).endswith(
+            f"{field}: {low - 1}: Input should be greater than or equal to {low}")
+    if high is not None:
+        _accepts(path, high)
+        assert only_problem(yaml.safe_dump(_set(BASE, path, high + 1))).endswith(
+            f"{field}: {high + 1}: Input should be less than or equal to {high}")
+
+
+def test_the_ray_worker_port_range_is_judged_as_a_range_at_its_ends() -> None:
+    for low, high in ((65535, 65535), (1024, 1024)):
+        assert only_problem(spec_text(ray={"min_worker_port": low, "max_worker_port": high})).endswith(
+            "ray: min_worker_port must be below max_worker_port")
+    assert Ray(min_worker_port=1024, max_worker_port=1025).min_worker_port == 1024
+    assert Ray(min_worker_port=65534, max_worker_port=65535).max_worker_port == 65535
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    (("serving", "gpu_memory_utilization"), 0, "Input should be greater than 0"),
+    (("serving", "gpu_memory_utilization"), 1.01, "Input should be less than or equal to 1"),
+    (("hardware", "total_memory_gib"), 0, "Input should be greater than 0"),
+    (("serving", "overhead_gib"), -0.5, "Input should be greater than or equal to 0"),
+])
+def test_fractional_bounds(path: tuple[str, ...], value: float, message: str) -> None:
+    assert only_problem(yaml.safe_dump(_set(BASE, path, value))).endswith(f"{format_path(path)}: {value}: {message}")
+
+
+def test_fractional_values_at_their_bounds_are_fine() -> None:
+    _accepts(("serving", "gpu_memory_utilization"), 1)
+    _accepts(("serving", "gpu_memory_utilization"), 0.01)
+    _accepts(("hardware", "total_memory_gib"), 0.5)
+    _accepts(("serving", "overhead_gib"), 0.5)
+
+
+def test_empty_interfaces_and_revision_are_refused() -> None:
+    assert only_problem(spec_text(fabric={"interfaces": []})).endswith(
+        "fabric.interfaces: List should have at least 1 item after validation, not 0")
+    assert only_problem(spec_text(model={"revision": ""})).endswith(
+        "model.revision: '': String should have at least 1 character")
+    assert parse_spec(spec_text(model={"revision": "x"}), "c").spec.model.revision == "x"
