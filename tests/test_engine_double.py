@@ -8,6 +8,7 @@ Needs root and a Docker engine; builds the image when this checkout's tag is mis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,14 +27,15 @@ from typing import Any
 
 import pytest
 
-from hy3spark import capacity, nccl
+from hy3spark import nccl, planning
 from hy3spark.engines.vllm import VllmEngine
-from hy3spark.spec import load_spec
+from hy3spark.spec import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "engine_double"
 sys.path.insert(0, str(DOUBLE))
 from make_model import make_model  # noqa: E402
+from test_operator_cli import SPEC as OPERATOR_CLI_SPEC  # noqa: E402
 
 # Names are per run (other engineers run the suite in the same checkout); the subnet is the first free one of a few.
 RUN = f"engine-double-{os.getpid()}"
@@ -44,7 +46,7 @@ HEAD_IP = WORKER_IP = ""  # set when the network exists
 HUB = "/var/lib/hy3spark/hub"
 CONFIG_ROOT = "/etc/hy3spark/vllm"
 HY3 = "kodelow/Hy3-NVFP4-W4A16"  # on both nodes, bare special tokens (a patched tokenizer/parser pair)
-HY3_SUFFIXED = "kodelow/Hy3-opensource"  # Hy3's released tokenizer: <think:opensource> ...
+HY3_SUFFIXED = "kodelow/Hy3-opensource"  # Hy3's released tokenizer: <think:opensource> ... (gpt-oss's shape)
 HEAD_ONLY = "kodelow/Hy3-head-only"  # synced to the head but not to the worker
 PORT = 8888
 API_KEY = "test-key-0123"
@@ -176,7 +178,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     revisions = {}
     for hub in ("hub-head", "hub-worker"):
         revisions[HY3] = make_model(tmp / hub, HY3, suffix=None)
-        revisions[HY3_SUFFIXED] = make_model(tmp / hub, HY3_SUFFIXED)
+        revisions[HY3_SUFFIXED] = make_model(tmp / hub, HY3_SUFFIXED, preset="gpt-oss")
     revisions[HEAD_ONLY] = make_model(tmp / "hub-head", HEAD_ONLY, suffix=None)
     (tmp / "config").mkdir()
     # What vllm_serve writes: without it the head's NCCL_SOCKET_IFNAME would be copied over the worker's own.
@@ -190,7 +192,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         remove_leftovers()
 
 
-# --- without Docker: the double's parser and KV arithmetic against hy3spark's own code --------------------------
+# --- without Docker: the double's parser, and its KV lines from vLLM's recorded vectors -------------------------
 
 
 @pytest.fixture(scope="module")
@@ -216,93 +218,312 @@ def test_every_rendered_command_is_accepted(double_src: None, example: str) -> N
     assert parsed.tensor_parallel_size == int(argv[argv.index("--tensor-parallel-size") + 1])
 
 
+KV_FIXTURE = REPO / "tests" / "fixtures" / "vllm-0.23.0" / "kv-cases.json"
+VLLM_CASES = {case["id"]: case for case in json.loads(KV_FIXTURE.read_text())["cases"]}
+
+
+def test_the_shipped_kv_table_is_the_one_made_from_vllms_vectors() -> None:
+    """kv_vectors.json cannot drift from the fixture: it is exactly what make_kv_table.py makes of it."""
+    sys.path.insert(0, str(DOUBLE))
+    try:
+        import make_kv_table
+    finally:
+        sys.path.remove(str(DOUBLE))
+    shipped = (DOUBLE / "src" / "vllm" / "double" / "kv_vectors.json").read_text()
+    assert make_kv_table.render(make_kv_table.build_table(KV_FIXTURE)) == shipped
+    table = json.loads(shipped)
+    assert table["source"]["sha256"] == hashlib.sha256(KV_FIXTURE.read_bytes()).hexdigest()
+    assert [v["id"] for v in table["vectors"]] == list(VLLM_CASES)
+
+
+@pytest.mark.parametrize("case_id", list(VLLM_CASES))
+def test_each_vector_gives_vllms_recorded_outcome(double_src: None, case_id: str) -> None:
+    """The lookup by a vector's own configuration and memory answers with what vLLM logged or raised."""
+    from vllm.double import kv
+
+    (vector,) = [v for v in kv.table()["vectors"] if v["id"] == case_id]
+    vllm = VLLM_CASES[case_id]["vllm"]
+    config = dict(vector["config"])
+    if "config_error" in vllm:
+        with pytest.raises(NotImplementedError) as refused:
+            kv.check_config(config)
+        assert f"NotImplementedError: {refused.value}" == vllm["config_error"]
+        return
+    kv.check_config(config)  # vLLM accepted it
+    found = kv.lookup(config, VLLM_CASES[case_id]["inputs"]["available_kv_bytes_per_rank"])
+    assert found.id == case_id
+    assert [f"{level}: {message}" for level, message in found.log] == vllm["log"]
+    if "error" in vllm:
+        with pytest.raises(ValueError) as raised:
+            found.raise_error()
+        assert str(raised.value) == vllm["error"]["message"]
+        assert found.error is not None and found.error["rank"] == vllm["per_rank_checks"][-1]["rank"]
+    else:
+        found.raise_error()
+        assert found.num_blocks == vllm["num_blocks"]
+        assert [m for _level, m in found.log if m.startswith(("GPU KV", "Maximum concurrency"))] == vllm["lines"]
+
+
+def test_other_memory_or_configuration_has_no_vector(double_src: None) -> None:
+    from vllm.double import kv
+
+    (vector,) = [v for v in kv.table()["vectors"] if v["id"] == "hy3-profile-tp2-mtp-fp8"]
+    with pytest.raises(kv.NoVector) as other_memory:
+        kv.lookup(vector["config"], [23876052834, 23876052833])
+    message = str(other_memory.value)
+    assert message.startswith("the vLLM test double has no vLLM 0.23.0 KV vector for architecture=HYV3ForCausalLM, ")
+    assert "tensor_parallel=2, " in message and "with available KV bytes per rank [23876052834, 23876052833]" in message
+    assert "hy3-profile-tp2-mtp-fp8: [23876052834, 23876052834]" in message
+    assert "add a case to tests/fixtures/vllm-0.23.0/kv-cases.json" in message
+    with pytest.raises(kv.NoVector, match=r"no vLLM 0.23.0 KV vector for .*max_model_len=65536, ") as other_len:
+        kv.lookup({**vector["config"], "max_model_len": 65536}, [23876052834, 23876052834])
+    assert "vectors with this configuration" not in str(other_len.value)
+
+
+def test_pp_stages_split_like_the_vectors(double_src: None) -> None:
+    """The double's stage split (vLLM's get_pp_indices) against every rank vLLM recorded."""
+    from vllm.double import kv
+
+    ranks = 0
+    for case in VLLM_CASES.values():
+        inputs = case["inputs"]
+        for rank in inputs.get("ranks", []):
+            stages = kv.pp_layer_ranges(inputs["model"]["num_hidden_layers"], inputs["pipeline_parallel"])
+            assert stages[rank["pp_rank"]] == range(*rank["hidden_layers"]), (case["id"], rank["rank"])
+            ranks += 1
+    assert ranks == 79  # every recorded rank of the 27 cases vLLM accepted
+    # No vector splits unevenly over more than 3 stages; get_pp_indices gives the remainder to the stages before the
+    # last one (the same rule the planner's test_pp_splits_layers_like_vllm_and_the_fullest_stage_limits checks).
+    assert [len(stage) for stage in kv.pp_layer_ranges(94, 4)] == [23, 24, 24, 23]
+
+
+def test_extra_full_layers_sit_on_the_last_stage(double_src: None, tmp_path: Path) -> None:
+    """gpt-oss + one MTP layer under PP2 is laid out as vLLM laid out its extra full layer (vector
+    gptoss-extra-full-layer-pp2); vLLM recorded that case without speculative decoding: only the method differs."""
+    from vllm.double import args as cli_args
+    from vllm.double import kv, serve
+    from vllm.double.model import resolve
+
+    path = _model_dir(tmp_path, "gpt-oss")
+    config = json.loads((path / "config.json").read_text())
+    drafted = tmp_path / "drafted"
+    drafted.mkdir()
+    (drafted / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    argv = ["serve", str(drafted), "-pp", "2", "--max-num-batched-tokens", "8192", "--speculative-config",
+            '{"method":"mtp","num_speculative_tokens":1}']  # fmt: skip
+    parsed = cli_args.build_parser().parse_args(cli_args.preprocess(argv))
+    model = resolve(str(drafted), None)
+    mine = kv.engine_config(model.config, parsed, serve.model_checks(parsed, model))
+    (vector,) = [v for v in kv.table()["vectors"] if v["id"] == "gptoss-extra-full-layer-pp2"]
+    assert mine["stages"] == vector["config"]["stages"] == [{"full": 9, "sliding": 9}, {"full": 10, "sliding": 9}]
+    assert {k for k in vector["config"] if mine[k] != vector["config"][k]} == {"speculative_method"}
+
+
+def _hy3_argv() -> list[str]:
+    return VllmEngine(load_spec().spec).serve_argv()
+
+
+def _argv(spec: str, *extra: str) -> list[str]:
+    return [*VllmEngine(load_spec(REPO / spec).spec).serve_argv(), *extra]
+
+
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "num_hidden_layers": 62,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "sliding_window": 1024,
+    # Gemma 3: five sliding-window layers, then one global (full) layer.
+    "layer_types": [("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(62)],
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+LLAMA_405B = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 126,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+HY3_FLAGS = ("--trust-remote-code", "--kv-cache-dtype", "fp8")
+
+
 @pytest.mark.parametrize(
-    ("layers", "kv_heads", "weights", "mtp", "tp", "pp", "kv_dtype", "util", "max_len"),
+    ("case_id", "model", "flags"),
     [
-        (80, 8, 181_000_000_000, 1, 2, 1, "fp8_e4m3", 0.90, 131072),  # Hy3 on two Sparks (the reference)
-        (80, 8, 181_000_000_000, 1, 1, 2, "fp8_e4m3", 0.90, 65536),  # the same split by pipeline
-        (126, 8, 203_000_000_000, 0, 2, 1, "fp8", 0.92, 32768),  # Llama-3.1-405B AWQ
-        (64, 8, 65_000_000_000, 0, 1, 1, "auto", 0.85, 40960),  # Qwen3-32B on one node, bf16 KV
-        (81, 8, 90_000_000_000, 0, 2, 2, "auto", 0.90, 16384),  # odd layers over 2 PP stages
+        ("hy3-profile-gb10-nvml-unsupported", "hy3", "DEFAULT_SPEC"),
+        ("gptoss120b-profile-gb10-nvml-unsupported", "gpt-oss", "examples/gpt-oss-single.yml"),
+        ("hy3-tp2-pp2-mtp-rejected", "hy3", ("-tp", "2", "-pp", "2", "--max-model-len", "131072", "--kv-cache-dtype",
+                                            "fp8_e4m3", "--speculative-config", '{"method":"mtp"}',
+                                            "--trust-remote-code")),
+        ("hy3-tp1-pp3-uneven-len100001", "hy3", ("-pp", "3", "--max-model-len", "100001", *HY3_FLAGS,
+                                                 "--max-num-batched-tokens", "8192")),
+        ("gptoss-tp1-pp2-hybrid", "gpt-oss", ("-pp", "2", "--max-num-batched-tokens", "8192")),
+        ("gptoss-len100003-mnbt2048", "gpt-oss", ("--max-model-len", "100003", "--max-num-batched-tokens", "2048")),
+        ("gemma3-27b-5to1-hybrid-tp2", GEMMA3_27B, ("-tp", "2", "--max-num-batched-tokens", "8192")),
+        ("llama405b-auto-fit-max-model-len", LLAMA_405B, ("-tp", "2", "--max-model-len", "-1", "--kv-cache-dtype",
+                                                          "fp8", "--max-num-batched-tokens", "8192")),
+        ("llama405b-block-size-32", LLAMA_405B, ("-tp", "2", "--max-model-len", "30001", "--kv-cache-dtype", "fp8",
+                                                 "--block-size", "32", "--max-num-batched-tokens", "8192")),
     ],
-)
-def test_kv_lines_match_the_capacity_planner(
-    double_src: None, layers: int, kv_heads: int, weights: int, mtp: int, tp: int, pp: int, kv_dtype: str,
-    util: float, max_len: int,
-) -> None:  # fmt: skip
+)  # fmt: skip
+def test_the_double_describes_its_configuration_as_the_vectors_do(
+    double_src: None, tmp_path: Path, case_id: str, model: str | dict[str, Any], flags: str | tuple[str, ...]
+) -> None:
+    """config.json and the flags, read by the double, give the vector's configuration key exactly."""
+    from vllm.double import args as cli_args
+    from vllm.double import kv, serve
+    from vllm.double.model import resolve
+
+    if flags == "DEFAULT_SPEC":
+        argv = _hy3_argv()
+    elif isinstance(flags, str):
+        argv = _argv(flags)
+    else:
+        argv = ["vllm", "serve", "MODEL", *flags]
+    if isinstance(model, str):
+        path = _model_dir(tmp_path, model)
+    else:
+        path = tmp_path / "model"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(model))
+    argv[2] = str(path)
+    parsed = cli_args.build_parser().parse_args(cli_args.preprocess(argv[1:]))
+    loaded = resolve(str(path), None)
+    config = kv.engine_config(loaded.config, parsed, serve.model_checks(parsed, loaded))
+    (vector,) = [v for v in kv.table()["vectors"] if v["id"] == case_id]
+    assert {key: config[key] for key in vector["config"]} == vector["config"]
+
+
+def _model_dir(cache: Path, preset: str) -> Path:
+    commit = make_model(cache, f"test/{preset}", preset=preset, suffix=None)
+    return cache / f"models--test--{preset}" / "snapshots" / commit
+
+
+@pytest.fixture
+def start_double(
+    double_src: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Any:
+    """The double's real engine startup (config checks, workers, memory, KV lookup), in this process: the `uni`/`mp`
+    executors run the workers here instead of on Ray. Returns (log, vector) or raises what the engine raised."""
+    from vllm.double import args as cli_args
+    from vllm.double import kv, serve
+    from vllm.double.model import resolve
+
+    def start(argv: list[str], preset: str, **env: str) -> tuple[str, Any]:
+        for name in ("VLLM_DOUBLE_GPU_MEMORY_GIB", "VLLM_DOUBLE_GPU_FREE_GIB", "VLLM_DOUBLE_OVERHEAD_GIB",
+                     "VLLM_DOUBLE_NVML_MEMORY", "NCCL_DEBUG"):  # fmt: skip
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        argv = list(argv)
+        argv[2] = str(_model_dir(tmp_path, preset))
+        parsed = cli_args.build_parser().parse_args(cli_args.preprocess(argv[1:]))
+        world = parsed.tensor_parallel_size * parsed.pipeline_parallel_size
+        monkeypatch.setenv("VLLM_DOUBLE_LOCAL_GPUS", str(world))
+        model = resolve(argv[2], None)
+        max_len = serve.model_checks(parsed, model)
+        config = kv.engine_config(model.config, parsed, max_len)
+        kv.check_config(config)
+        try:
+            _executor, vector = serve.start_engine(parsed, model, max_len, "uni" if world == 1 else "mp", config)
+        finally:
+            log = capsys.readouterr().out
+        return log, vector
+
+    return start
+
+
+def _logged(log: str, message: str) -> bool:
+    return re.search(rf"^\(EngineCore pid=\d+\) INFO [\d-]+ [\d:]+ \[kv_cache_utils\.py:\d+\] {re.escape(message)}$",
+                     log, re.M) is not None  # fmt: skip
+
+
+SERVED_SPECS = {
+    "the default spec (test_engine_double's serving)": lambda: load_spec(),
+    "tests/test_operator_cli.py's spec": lambda: parse_spec(OPERATOR_CLI_SPEC, "tests/test_operator_cli.py"),
+    "molecule/site/cluster.yml": lambda: load_spec(REPO / "molecule" / "site" / "cluster.yml"),
+    "examples/hy3-two-spark.yml": lambda: load_spec(REPO / "examples" / "hy3-two-spark.yml"),
+    "examples/gpt-oss-single.yml": lambda: load_spec(REPO / "examples" / "gpt-oss-single.yml"),
+}
+
+
+@pytest.mark.parametrize("nvml", ["unsupported", "reported"])
+@pytest.mark.parametrize("spec", list(SERVED_SPECS))
+def test_served_specs_land_on_vllms_profile_vectors(start_double: Any, spec: str, nvml: str) -> None:
+    """What the site and operator tests start: the profile's own command on a synthetic model with the profile's
+    checkpoint size and the fake GPU's defaults. Each lands on vLLM's profile vector with the same memory, and the
+    planner predicts the lines the double logs (from vLLM's data, not from the planner)."""
+    loaded = SERVED_SPECS[spec]()
+    preset = "gpt-oss" if loaded.spec.model.arch.sliding_window else "hy3"
+    expected = {
+        ("hy3", "unsupported"): "hy3-profile-gb10-nvml-unsupported",
+        ("hy3", "reported"): "hy3-profile-tp2-mtp-fp8",
+        ("gpt-oss", "unsupported"): "gptoss120b-profile-gb10-nvml-unsupported",
+        ("gpt-oss", "reported"): "gptoss120b-profile-tp1-hybrid",
+    }[preset, nvml]
+    log, vector = start_double(VllmEngine(loaded.spec).serve_argv(), preset, VLLM_DOUBLE_NVML_MEMORY=nvml)
+    assert vector.id == expected
+    case = VLLM_CASES[expected]
+    gib = [f"Available KV cache memory: {b / 2**30:.2f} GiB" for b in case["inputs"]["available_kv_bytes_per_rank"]]
+    assert [line.split("] ", 1)[1] for line in log.splitlines() if "Available KV cache memory" in line] == gib
+    for line in case["vllm"]["lines"]:
+        assert _logged(log, line), log
+    assert _logged(log, f"hy3spark TEST DOUBLE: KV cache outcome recorded from vLLM 0.23.0 for this configuration "
+                        f"(vector {expected} of tests/fixtures/vllm-0.23.0/kv-cases.json)")  # fmt: skip
+    # The planner plans a DGX Spark (NVML cannot report the GB10's memory). molecule/site's spec declares the synthetic
+    # model's size on disk (1 MB, for preflight's disk check), not the 181 GB its index carries: no prediction there.
+    if nvml == "unsupported" and loaded.spec.model.size_bytes > 10**9:
+        plan = planning.plan_for(loaded, planning.overhead_for(loaded, None, None))
+        assert [plan.kv_cache_size_line, plan.max_concurrency_line] == case["vllm"]["lines"]
+
+
+def test_the_site_memory_is_the_profile_vectors(double_src: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hy3 TP2 on the default fake GB10 (121.69 GiB, 0.90, 3.0 GiB overhead with --enforce-eager): 23,876,052,834 B."""
     from vllm.double import kv
 
-    config = {"num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": kv_heads,
-              "head_dim": 128, "num_nextn_predict_layers": mtp, "torch_dtype": "bfloat16"}  # fmt: skip
-    speculative = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
-    sizing = kv.Sizing(
-        shape=kv.Shape.from_config(config, "auto", speculative), tp=tp, pp=pp, kv_cache_dtype=kv_dtype,
-        block_size=16, gpu_memory_utilization=util, max_model_len=max_len, weight_bytes=weights,
-        kv_cache_memory_bytes=None,
-    )  # fmt: skip
-    double = kv.capacity(sizing, [kv.available_bytes(sizing)] * (tp * pp))
-    plan = capacity.plan(
-        capacity.ModelShape(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=128,
-                            weight_bytes=weights, mtp_layers=mtp),
-        capacity.ServeConfig(tensor_parallel=tp, pipeline_parallel=pp, max_model_len=max_len, max_num_seqs=4,
-                             kv_cache_dtype=kv_dtype),
-        capacity.Budget(gpu_memory_utilization=util, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
-                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
-    )  # fmt: skip
-    assert (double.num_blocks, f"GPU KV cache size: {double.tokens:,} tokens") == (
-        plan.num_blocks,
-        plan.kv_cache_size_line,
-    )
-    assert f"Maximum concurrency for {max_len:,} tokens per request: {double.concurrency:.2f}x" == (
-        plan.max_concurrency_line
-    )
+    for name in ("VLLM_DOUBLE_GPU_MEMORY_GIB", "VLLM_DOUBLE_OVERHEAD_GIB"):
+        monkeypatch.delenv(name, raising=False)
+    memory = kv.Memory(gpu_memory_utilization=0.90, weights_per_rank=181_000_000_000 // 2, kv_cache_memory_bytes=None,
+                       enforce_eager=True)  # fmt: skip
+    inputs = VLLM_CASES["hy3-profile-tp2-mtp-fp8"]["inputs"]
+    assert kv.available_bytes(memory) == inputs["available_kv_bytes_per_rank"][0] == 23_876_052_834
+    assert kv.gpu_total_bytes() == inputs["device"]["total_memory_bytes"]
 
 
-@pytest.mark.parametrize(("tp", "pp", "max_len"), [(1, 1, 131072), (2, 1, 131072), (1, 2, 65536)])
-def test_sliding_window_groups_match_the_capacity_planner(double_src: None, tp: int, pp: int, max_len: int) -> None:
-    """gpt-oss-120b: 36 layers alternating sliding (window 128) and full attention, 8 KV heads of 64."""
+def test_a_kv_cache_too_small_for_one_request_fails_with_vllms_text(start_double: Any) -> None:
+    """gpt-oss-120b with 1 GiB of KV cache (vector gptoss-too-little-memory): vLLM's ValueError, word for word."""
+    argv = ["vllm", "serve", "MODEL", "--kv-cache-memory-bytes", "1G", "--max-num-batched-tokens", "8192"]
+    with pytest.raises(ValueError) as raised:
+        start_double(argv, "gpt-oss")
+    assert str(raised.value) == VLLM_CASES["gptoss-too-little-memory"]["vllm"]["error"]["message"]
+    assert "the estimated maximum model length is 20784." in str(raised.value)
+
+
+def test_the_ray_scenarios_toy_model_has_no_vector(start_double: Any) -> None:
+    """No vector, no numbers: the double refuses to start rather than invent a KV cache size."""
     from vllm.double import kv
 
-    config = {"num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-              "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18}  # fmt: skip
-    sizing = kv.Sizing(
-        shape=kv.Shape.from_config(config, "auto", None), tp=tp, pp=pp, kv_cache_dtype="auto", block_size=16,
-        gpu_memory_utilization=0.80, max_model_len=max_len, weight_bytes=65_000_000_000, kv_cache_memory_bytes=None,
-    )  # fmt: skip
-    double = kv.capacity(sizing, [kv.available_bytes(sizing)] * (tp * pp))
-    plan = capacity.plan(
-        capacity.ModelShape(num_hidden_layers=36, num_key_value_heads=8, head_dim=64, weight_bytes=65_000_000_000,
-                            sliding_window=128, sliding_window_layers=18),
-        capacity.ServeConfig(tensor_parallel=tp, pipeline_parallel=pp, max_model_len=max_len, max_num_seqs=8),
-        capacity.Budget(gpu_memory_utilization=0.80, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
-                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
-    )  # fmt: skip
-    assert len(sizing.groups) == len(plan.groups) == 2
-    assert f"GPU KV cache size: {double.tokens:,} tokens" == plan.kv_cache_size_line
-    assert f"Maximum concurrency for {max_len:,} tokens per request: {double.concurrency:.2f}x" == (
-        plan.max_concurrency_line
+    with pytest.raises(kv.NoVector) as refused:
+        start_double(["vllm", "serve", "MODEL", "--max-model-len", "4096"], "small")
+    message = str(refused.value)
+    assert message.startswith("the vLLM test double has no vLLM 0.23.0 KV vector for architecture=LlamaForCausalLM, "
+                              "num_hidden_layers=4, ")  # fmt: skip
+    assert "max_model_len=4096, " in message and "max_num_batched_tokens=2048, " in message
+    assert message.endswith(
+        "add a case to tests/fixtures/vllm-0.23.0/kv-cases.json (made by running vLLM 0.23.0) "
+        "and regenerate src/vllm/double/kv_vectors.json with tests/engine_double/make_kv_table.py"
     )
 
 
-def test_a_request_that_cannot_fit_fails_in_both(double_src: None) -> None:
-    """Llama-405B with 230 GB of weights on two Sparks: one 32k request does not fit; vLLM refuses to start."""
-    from vllm.double import kv
-
-    config = {"num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8, "head_dim": 128}
-    sizing = kv.Sizing(
-        shape=kv.Shape.from_config(config, "auto", None), tp=2, pp=1, kv_cache_dtype="fp8", block_size=16,
-        gpu_memory_utilization=0.92, max_model_len=32768, weight_bytes=230_000_000_000, kv_cache_memory_bytes=None,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"the estimated maximum model length is 15408\."):
-        kv.capacity(sizing, [kv.available_bytes(sizing)] * 2)
-    plan = capacity.plan(
-        capacity.ModelShape(num_hidden_layers=126, num_key_value_heads=8, head_dim=128, weight_bytes=230_000_000_000),
-        capacity.ServeConfig(tensor_parallel=2, max_model_len=32768, max_num_seqs=4, kv_cache_dtype="fp8"),
-        capacity.Budget(gpu_memory_utilization=0.92, total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
-                        overhead_bytes=3 * capacity.GIB, overhead_source="test"),
-    )  # fmt: skip
-    assert not plan.ok
-    assert any("15,408" in p.message or "15408" in p.message for p in plan.problems), plan.problems
+def test_mtp_with_pipeline_parallel_is_refused_before_the_engine_starts(start_double: Any) -> None:
+    argv = [*_hy3_argv(), "--pipeline-parallel-size", "2"]
+    with pytest.raises(NotImplementedError) as refused:
+        start_double(argv, "hy3")
+    assert f"NotImplementedError: {refused.value}" == VLLM_CASES["hy3-tp2-pp2-mtp-rejected"]["vllm"]["config_error"]
 
 
 # --- in Docker: the serving image on a two-node Ray cluster ----------------------------------------------------
@@ -369,12 +590,15 @@ TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type":
 
 @contextmanager
 def serving_suffixed_model(port: str) -> Iterator[str]:
-    """Hy3's released tokenizer (<think:opensource> ...) served on one node (TP 1, no Ray) with the hy_v3 parsers."""
+    """Hy3's released tokenizer (<think:opensource> ...) served on one node (TP 1, no Ray) with the hy_v3 parsers.
+
+    The model has gpt-oss-120b's shape (vLLM recorded no one-GPU Hy3 case): 30 GiB of KV cache, max_model_len 100003
+    and 8192 batched tokens are vLLM 0.23.0's vector gptoss-len100003-mnbt8192."""
     log = f"/tmp/suffixed-{port}.log"
     command = (
-        f"exec vllm serve {HY3_SUFFIXED} --served-model-name hy3 --port {port} --max-model-len 4096 "
-        "--kv-cache-memory-bytes 4G --reasoning-parser hy_v3 --tool-call-parser hy_v3 --enable-auto-tool-choice "
-        f"--trust-remote-code > {log} 2>&1"
+        f"exec vllm serve {HY3_SUFFIXED} --served-model-name hy3 --port {port} --max-model-len 100003 "
+        "--max-num-batched-tokens 8192 --kv-cache-memory-bytes 30G --reasoning-parser hy_v3 --tool-call-parser hy_v3 "
+        f"--enable-auto-tool-choice --trust-remote-code > {log} 2>&1"
     )
     docker("exec", "-d", HEAD, "sh", "-c", command)
     url = f"http://{HEAD_IP}:{port}"
@@ -486,25 +710,20 @@ def serve_log() -> str:
     return docker("exec", HEAD, "cat", "/tmp/serve.log").stdout
 
 
-def test_startup_lines_match_the_capacity_planner(serving: str) -> None:
+def test_startup_lines_are_vllms_and_the_planner_predicts_them(serving: str) -> None:
+    """The rendered default spec on two fake GB10s: vLLM 0.23.0's own lines for Hy3 TP2 + MTP, fp8 KV, 23,876,052,834
+    available bytes per rank (vector hy3-profile-gb10-nvml-unsupported), and the planner's prediction equals them."""
     log = serve_log()
-    plan = capacity.plan(
-        capacity.ModelShape(
-            num_hidden_layers=80, num_key_value_heads=8, head_dim=128, weight_bytes=181_000_000_000, mtp_layers=1
-        ),
-        capacity.ServeConfig(tensor_parallel=2, max_model_len=131072, max_num_seqs=6, kv_cache_dtype="fp8_e4m3"),
-        capacity.Budget(
-            gpu_memory_utilization=0.90,
-            total_memory_bytes=capacity.GB10_TOTAL_MEMORY_BYTES,
-            overhead_bytes=3 * capacity.GIB,
-            overhead_source="test double default",
-        ),
-    )
-    engine_line = r"\(EngineCore pid=\d+\) INFO [\d-]+ [\d:]+ \[kv_cache_utils\.py:\d+\] "
-    assert re.search(engine_line + plan.kv_cache_size_line + "$", log, re.M), log
-    assert re.search(rf"\[kv_cache_utils\.py:\d+\] {re.escape(plan.max_concurrency_line)}$", log, re.M), log
-    assert plan.kv_cache_size_line == "GPU KV cache size: 287,856 tokens"
-    assert plan.max_concurrency_line == "Maximum concurrency for 131,072 tokens per request: 2.20x"
+    vector = VLLM_CASES["hy3-profile-gb10-nvml-unsupported"]["vllm"]
+    loaded = load_spec()
+    plan = planning.plan_for(loaded, planning.overhead_for(loaded, None, None))
+    engine_line = r"^\(EngineCore pid=\d+\) INFO [\d-]+ [\d:]+ \[kv_cache_utils\.py:\d+\] "
+    for line in vector["lines"]:
+        assert re.search(engine_line + re.escape(line) + "$", log, re.M), log
+    assert [plan.kv_cache_size_line, plan.max_concurrency_line] == vector["lines"]
+    assert "(vector hy3-profile-gb10-nvml-unsupported of tests/fixtures/vllm-0.23.0/kv-cases.json)" in log
+    # Both ranks log it; Ray's log deduplication may fold the second copy into "[repeated 2x across cluster]".
+    assert "Available KV cache memory: 22.24 GiB" in log
     assert re.search(rf"\(APIServer pid=\d+\) INFO .* Starting vLLM server on http://0\.0\.0\.0:{PORT}$", log, re.M)
     assert re.search(r"\(APIServer pid=\d+\) INFO:     Application startup complete\.$", log, re.M)
     assert "hy3spark TEST DOUBLE" in log

@@ -8,8 +8,13 @@
 huggingface_hub's ``snapshot_download(repo, revision=<commit or "main">, local_files_only=True)`` resolves it, as
 vLLM does in offline mode. The shapes are real (preset ``hy3``: Hy3's 80 layers + 1 MTP layer, 8 KV heads,
 head_dim 128; ``gpt-oss``: gpt-oss-120b's 36 layers alternating sliding-window and full attention; ``small``: a
-4-layer toy), the weights are a few bytes per shard, and the safetensors index carries
-the real checkpoint size (``--total-size``, default 181 GB for hy3) so the double logs Hy3's real KV cache numbers.
+4-layer toy), the weights are a few bytes per shard, and the safetensors index carries the checkpoint size of
+hy3spark's profile for that model (``--total-size``; 181 GB for hy3, 65.3 GB for gpt-oss). The double prints the
+KV cache lines vLLM 0.23.0 recorded for a configuration (src/vllm/double/kv.py), and with those sizes and the fake
+GPU's defaults the profiles' own configurations land on vLLM's profile vectors (Hy3 TP2 + MTP, fp8 KV:
+``hy3-profile-gb10-nvml-unsupported``; gpt-oss-120b TP1: ``gptoss120b-profile-gb10-nvml-unsupported``). vLLM has no
+vector for the ``small`` toy: the double refuses to start an engine on it (fine for tests that only need a model on
+disk).
 The tokenizer config carries Hy3's suffixed special tokens (``<tool_calls:opensource>`` ...) and ``token_suffix``
 unless ``--bare-tokens`` is given.
 
@@ -71,7 +76,8 @@ PRESETS = {
         "vocab_size": 32000,
     },
 }
-DEFAULT_TOTAL_SIZE = {"hy3": 181_000_000_000, "gpt-oss": 65_000_000_000, "small": 100_000_000}
+# The profiles' model.size_bytes (hy3spark/profiles/): with the fake GPU's defaults they give the vectors' memory.
+DEFAULT_TOTAL_SIZE = {"hy3": 181_000_000_000, "gpt-oss": 65_300_000_000, "small": 100_000_000}
 SPECIAL = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
 
 

@@ -1,43 +1,58 @@
-"""KV cache sizing with vLLM 0.23's arithmetic, from a FAKE GPU memory size.
+"""The KV cache at startup: vLLM 0.23.0's RECORDED outcome for this configuration, and the fake GPU's memory.
 
-Per rank (every TP x PP rank, each on its own fake GPU)::
-
-    requested  = ceil(total * gpu_memory_utilization)          # vllm/v1/worker/utils.py request_memory
-    available  = requested - weights_per_rank - overhead         # gpu_worker.determine_available_memory
-               (or --kv-cache-memory-bytes, which skips profiling)
-    page       = block_size * max(1, kv_heads // TP) * 2 * head_dim * kv_bytes
-    num_blocks = available // page // group_size                 # group_size: layers of the rank's largest group
-    num_blocks = min over ranks
-    concurrency = num_blocks / sum over groups of blocks_per_request   # "Maximum concurrency ... %.2fx"
-    tokens      = int(concurrency * max_model_len)               # "GPU KV cache size: %s tokens"
-
-Layers are grouped as vLLM's hybrid KV cache manager does: one group when every layer is full attention; with
-sliding-window layers (config.json ``layer_types``, e.g. gpt-oss) each type is split into groups of equal size, dealt
-round-robin. A request needs ``ceil(L / block)`` blocks in a full group and ``ceil(min(window - 1 +
-max_num_batched_tokens, L) / block) + 1`` in a sliding one.
+The double computes no KV-cache arithmetic (so it cannot share a bug with ``hy3spark.capacity``, which tests compare
+it with). ``kv_vectors.json`` is derived by ``tests/engine_double/make_kv_table.py`` from
+``tests/fixtures/vllm-0.23.0/kv-cases.json``, what vLLM 0.23.0's own code computed: per case the configuration, the
+per-rank available KV bytes, and what vLLM logged (``GPU KV cache size: N tokens``, ``Maximum concurrency for L
+tokens per request: X.XXx``, its warnings) or raised. At startup the engine describes its configuration the way the
+table does (:func:`engine_config`: the model shape from config.json, the parallelism and the resolved cache
+settings), its workers measure their available bytes on their own fake GPUs (:func:`available_bytes`), and
+:func:`lookup` finds the vector with the same configuration and the same bytes on every rank. Its lines are printed as
+vLLM prints them, or its error is raised with vLLM's text. A configuration without a vector fails to start
+(:class:`NoVector`): the double never invents numbers.
 
 The fake GPU comes from the environment (vLLM_* variables are copied from the head to the workers, as vLLM does):
 
 - ``VLLM_DOUBLE_GPU_MEMORY_GIB`` total memory per GPU (default 121.69, what vLLM reports on a DGX Spark / GB10);
 - ``VLLM_DOUBLE_GPU_FREE_GIB`` free memory at startup (default: the total); below ``requested`` startup fails with
   vLLM's "Free memory on device ... on startup is less than desired GPU memory utilization" error;
-- ``VLLM_DOUBLE_OVERHEAD_GIB`` activation + non-torch + CUDA-graph memory (default 3.0, GB10 with --enforce-eager).
+- ``VLLM_DOUBLE_OVERHEAD_GIB`` activation + non-torch + CUDA-graph memory per rank. Default 3.0 with
+  ``--enforce-eager`` and 4.0 without (CUDA graphs): the overheads of hy3spark's Hy3 and gpt-oss profiles, so that
+  a synthetic model with the profile's checkpoint size lands on vLLM's profile vectors;
+- ``VLLM_DOUBLE_NVML_MEMORY``: unset or ``unsupported``, NVML's memory query raises as on a real GB10 and
+  ``vllm serve`` defaults max_num_batched_tokens to 2048; ``reported``, NVML reports the total (8192 for 121.69 GiB).
 
-Weights per rank are the checkpoint's ``total_size`` (model.safetensors.index.json) / (TP x PP), so a few-kilobyte
-synthetic model can carry a 181 GB index and produce Hy3's real numbers. MTP draft layers (``--speculative-config``
-method ``mtp``: ``num_nextn_predict_layers``) are full decoder layers on the last PP stage.
+Available KV memory per rank: ``ceil(total * gpu_memory_utilization) - weights - overhead`` (vLLM's
+request_memory and determine_available_memory, with a constant overhead instead of a profiling run), or
+``--kv-cache-memory-bytes``, which skips profiling. Weights per rank are the checkpoint's ``total_size``
+(model.safetensors.index.json) / (TP x PP), so a few-kilobyte synthetic model can carry a 181 GB index.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from typing import Any
 
 GIB = 1 << 30
+TABLE = "kv_vectors.json"
+FIXTURE = "tests/fixtures/vllm-0.23.0/kv-cases.json"
+# vLLM's CacheConfig default on CUDA when --block-size is not given.
 DEFAULT_BLOCK_SIZE = 16
-FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+# The exception types vLLM raised in the recorded cases.
+ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}
+
+
+class NoVector(RuntimeError):
+    """The table holds no vLLM outcome for this configuration: the double refuses to make one up."""
+
+
+# --- the fake GPU ---------------------------------------------------------------------------------------------------
 
 
 def env_gib(name: str, default: float) -> float:
@@ -54,157 +69,8 @@ def gpu_free_bytes() -> int:
     return int(float(raw) * GIB) if raw else gpu_total_bytes()
 
 
-def overhead_bytes() -> int:
-    return int(env_gib("VLLM_DOUBLE_OVERHEAD_GIB", 3.0) * GIB)
-
-
-def model_dtype_bytes(config: dict[str, Any], dtype_flag: str) -> int:
-    if dtype_flag in ("float", "float32"):
-        return 4
-    if dtype_flag in ("half", "float16", "bfloat16"):
-        return 2
-    return 4 if str(config.get("torch_dtype") or config.get("dtype") or "bfloat16") == "float32" else 2
-
-
-def draft_layers(config: dict[str, Any], speculative_config: dict[str, Any] | None) -> int:
-    if not speculative_config:
-        return 0
-    method = str(speculative_config.get("method", ""))
-    if method.endswith("mtp"):
-        return int(config.get("num_nextn_predict_layers") or 1)
-    return 0
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    draft_layers: int
-    sliding: tuple[bool, ...] = ()  # per hidden layer: a sliding-window layer (empty: all full attention)
-    sliding_window: int | None = None
-
-    @property
-    def kinds(self) -> list[str]:
-        """Attention type of every KV layer: hidden layers, then the draft layers (full attention)."""
-        hidden = ["sliding" if (self.sliding and self.sliding[i]) else "full" for i in range(self.layers)]
-        return hidden + ["full"] * self.draft_layers
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], dtype_flag: str, speculative: dict[str, Any] | None) -> Shape:
-        text = config.get("text_config") or config
-        heads = int(text.get("num_attention_heads") or 1)
-        head_dim = text.get("head_dim") or int(text.get("hidden_size", 128 * heads)) // heads
-        layers = int(text.get("num_hidden_layers") or 1)
-        window = text.get("sliding_window")
-        types = text.get("layer_types") or []
-        sliding = tuple(str(t) == "sliding_attention" for t in types[:layers]) if window and types else ()
-        return cls(
-            layers=layers,
-            kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            dtype_bytes=model_dtype_bytes(text, dtype_flag),
-            draft_layers=draft_layers(text, speculative),
-            sliding=sliding if any(sliding) else (),
-            sliding_window=int(window) if window and any(sliding) else None,
-        )
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """Everything a worker needs to size its share, sent from the engine to every rank."""
-
-    shape: Shape
-    tp: int
-    pp: int
-    kv_cache_dtype: str
-    block_size: int
-    gpu_memory_utilization: float
-    max_model_len: int
-    weight_bytes: int
-    kv_cache_memory_bytes: int | None
-    max_num_batched_tokens: int = 8192
-
-    @property
-    def kv_bytes(self) -> int:
-        if self.kv_cache_dtype in FP8:
-            return 1
-        if self.kv_cache_dtype == "bfloat16":
-            return 2
-        return self.shape.dtype_bytes
-
-    @property
-    def page_bytes(self) -> int:
-        heads = max(1, self.shape.kv_heads // self.tp)
-        return self.block_size * heads * 2 * self.shape.head_dim * self.kv_bytes
-
-    def stage(self, pp_rank: int) -> set[int]:
-        """KV layer indices on a PP stage: vLLM's get_pp_indices gives the remainder to the stages before the last;
-        the draft layers sit on the last stage."""
-        per_stage = [self.shape.layers // self.pp] * self.pp
-        for i in range(2, self.shape.layers % self.pp + 2):
-            per_stage[-i] += 1
-        start = sum(per_stage[:pp_rank])
-        layers = set(range(start, start + per_stage[pp_rank]))
-        if pp_rank == self.pp - 1:
-            layers |= set(range(self.shape.layers, self.shape.layers + self.shape.draft_layers))
-        return layers
-
-    @property
-    def groups(self) -> list[tuple[str, tuple[int, ...]]]:
-        """vLLM's KV cache groups for layers of one page size (_get_kv_cache_groups_uniform_page_size)."""
-        by_kind: dict[str, list[int]] = {}
-        for index, kind in enumerate(self.shape.kinds):
-            by_kind.setdefault(kind, []).append(index)
-        if len(by_kind) == 1:
-            kind, layers = next(iter(by_kind.items()))
-            return [(kind, tuple(layers))]
-        smallest = min(len(layers) for layers in by_kind.values())
-        largest = max(len(layers) for layers in by_kind.values())
-        group_size = largest if largest < smallest * 1.5 else smallest
-        groups = []
-        for kind, layers in by_kind.items():
-            count = math.ceil(len(layers) / group_size)
-            groups += [(kind, tuple(layers[i::count])) for i in range(count)]
-        return groups
-
-    def group_size(self, pp_rank: int) -> int:
-        stage = self.stage(pp_rank)
-        return max(len(stage.intersection(layers)) for _kind, layers in self.groups)
-
-    def request_blocks(self, length: int) -> int:
-        """Blocks one request of `length` tokens needs, summed over the groups."""
-        total = 0
-        for kind, _layers in self.groups:
-            if kind == "full":
-                total += math.ceil(length / self.block_size)
-            else:
-                assert self.shape.sliding_window is not None
-                tokens = min(self.shape.sliding_window - 1 + self.max_num_batched_tokens, length)
-                total += math.ceil(tokens / self.block_size) + 1
-        return total
-
-    @property
-    def weights_per_rank(self) -> int:
-        return self.weight_bytes // (self.tp * self.pp)
-
-    @property
-    def blocks_per_request(self) -> int:
-        return self.request_blocks(self.max_model_len)
-
-    def longest_within(self, blocks: int) -> int:
-        """The longest request (<= max_model_len) that fits in `blocks` blocks: vLLM's estimated max model length."""
-        if self.request_blocks(1) > blocks:
-            return 0
-        low, high, best = 1, self.max_model_len, 1
-        while low <= high:
-            mid = (low + high) // 2
-            if self.request_blocks(mid) <= blocks:
-                best, low = mid, mid + 1
-            else:
-                high = mid - 1
-        return best
+def overhead_bytes(enforce_eager: bool) -> int:
+    return int(env_gib("VLLM_DOUBLE_OVERHEAD_GIB", 3.0 if enforce_eager else 4.0) * GIB)
 
 
 def requested_bytes(total: int, utilization: float) -> int:
@@ -223,42 +89,172 @@ def check_free_memory(utilization: float) -> None:
         )
 
 
-def available_bytes(sizing: Sizing) -> int:
+@dataclass(frozen=True)
+class Memory:
+    """What a worker needs to measure its available KV memory, sent from the engine to every rank."""
+
+    gpu_memory_utilization: float
+    weights_per_rank: int
+    kv_cache_memory_bytes: int | None
+    enforce_eager: bool
+
+
+def available_bytes(memory: Memory) -> int:
     """This rank's KV cache memory (run on the rank's own node, with its own fake GPU)."""
-    if sizing.kv_cache_memory_bytes is not None:
-        return sizing.kv_cache_memory_bytes
-    requested = requested_bytes(gpu_total_bytes(), sizing.gpu_memory_utilization)
-    return requested - sizing.weights_per_rank - overhead_bytes()
+    if memory.kv_cache_memory_bytes is not None:
+        return memory.kv_cache_memory_bytes
+    requested = requested_bytes(gpu_total_bytes(), memory.gpu_memory_utilization)
+    return requested - memory.weights_per_rank - overhead_bytes(memory.enforce_eager)
+
+
+def default_max_num_batched_tokens() -> int:
+    """`vllm serve`'s default (EngineArgs.get_batch_defaults) on the fake GPU, as vLLM resolved it on the GB10."""
+    defaults = table()["batch_defaults"]
+    nvml = os.environ.get("VLLM_DOUBLE_NVML_MEMORY", "").strip() or "unsupported"
+    if nvml == "unsupported":
+        return int(defaults["nvml_not_supported"])
+    if nvml == "reported" and gpu_total_bytes() == defaults["nvml_total_memory_bytes"]:
+        return int(defaults["nvml_reported"])
+    raise NoVector(
+        f"the vLLM test double has no vLLM {table()['vllm_version']} batch default for VLLM_DOUBLE_NVML_MEMORY="
+        f"{nvml} with a {gpu_total_bytes()}-byte GPU (recorded: 'unsupported', and 'reported' with "
+        f"{defaults['nvml_total_memory_bytes']} bytes); pass --max-num-batched-tokens"
+    )
+
+
+# --- the configuration, described as the table describes it ---------------------------------------------------------
+
+
+def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """vllm.distributed.utils.get_pp_indices: the remainder goes to the stages before the last."""
+    per_stage = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        per_stage[-i] += 1
+    starts = [sum(per_stage[:stage]) for stage in range(pp)]
+    return [range(start, start + count) for start, count in zip(starts, per_stage, strict=True)]
+
+
+def model_dtype(config: dict[str, Any], dtype_flag: str) -> str:
+    """ModelConfig's dtype: --dtype, else config.json's torch_dtype (bfloat16 when absent)."""
+    named = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+    if dtype_flag in named:
+        return named[dtype_flag]
+    return str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+
+
+def draft_layers(config: dict[str, Any], speculative_config: dict[str, Any] | None) -> int:
+    """MTP speculative decoding (`--speculative-config` method ``mtp``) adds the checkpoint's MTP layers."""
+    if not speculative_config or not str(speculative_config.get("method", "")).endswith("mtp"):
+        return 0
+    return int(config.get("num_nextn_predict_layers") or 1)
+
+
+def engine_config(model_config: dict[str, Any], args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    """This engine's configuration in the table's terms (the keys of a vector's ``config``).
+
+    ``max_len`` is what the config checks resolved (the model's own length when --max-model-len is absent or -1).
+    """
+    text = model_config.get("text_config") or model_config
+    heads = int(text.get("num_attention_heads") or 1)
+    layers = int(text.get("num_hidden_layers") or 1)
+    window = text.get("sliding_window")
+    types = [str(kind) for kind in (text.get("layer_types") or [])[:layers]] if window else []
+    sliding = [kind == "sliding_attention" for kind in types] + [False] * (layers - len(types))
+    extra = draft_layers(text, args.speculative_config)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    stages = []
+    for stage, hidden in enumerate(pp_layer_ranges(layers, pp)):
+        count = sum(sliding[i] for i in hidden)
+        full = len(hidden) - count + (extra if stage == pp - 1 else 0)
+        stages.append({"full": full, "sliding": count})
+    auto_fit = args.max_model_len == -1
+    return {
+        "architecture": str((model_config.get("architectures") or ["UnknownForCausalLM"])[0]),
+        "num_hidden_layers": layers,
+        "num_key_value_heads": int(text.get("num_key_value_heads") or heads),
+        "head_dim": int(text.get("head_dim") or int(text.get("hidden_size", 128 * heads)) // heads),
+        "model_dtype": model_dtype(text, args.dtype),
+        "sliding_window": int(window) if any(sliding) else None,
+        "sliding_layers": sum(sliding),
+        "extra_full_layers": extra,
+        "speculative_method": (args.speculative_config or {}).get("method"),
+        "tensor_parallel": tp,
+        "pipeline_parallel": pp,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_model_len": -1 if auto_fit else max_len,
+        "stages": stages,
+        "block_size": args.block_size or DEFAULT_BLOCK_SIZE,
+        "max_num_batched_tokens": args.max_num_batched_tokens or default_max_num_batched_tokens(),
+        # The double's parser has no --disable-hybrid-kv-cache-manager yet: absent means vLLM's default (on).
+        "hybrid_kv_cache_manager": not getattr(args, "disable_hybrid_kv_cache_manager", False),
+        "auto_fit_from": max_len if auto_fit else None,
+    }
+
+
+# --- the table ------------------------------------------------------------------------------------------------------
+
+
+@cache
+def table() -> dict[str, Any]:
+    return json.loads(resources.files("vllm.double").joinpath(TABLE).read_text())
+
+
+def _matches(vector: dict[str, Any], config: dict[str, Any]) -> bool:
+    # A key vLLM never resolved (it refused the flags first) is absent from the vector's config.
+    return all(config.get(key) == value for key, value in vector["config"].items())
+
+
+def _describe(config: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in config.items())
 
 
 @dataclass(frozen=True)
-class Capacity:
-    num_blocks: int
-    concurrency: float
-    tokens: int
+class Vector:
+    """One recorded vLLM outcome."""
+
+    id: str
+    log: tuple[tuple[str, str], ...]  # (level, message) as vLLM logged them, in order
+    num_blocks: int | None
+    max_model_len: int | None  # what vLLM serves (after auto-fit)
+    error: dict[str, Any] | None  # type, message, rank: raised at the first failing rank
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise ERRORS[self.error["type"]](self.error["message"])
 
 
-def capacity(sizing: Sizing, available_per_rank: list[int]) -> Capacity:
-    """num_blocks as the minimum over ranks; raises vLLM's ValueErrors when the cache cannot hold one request."""
-    rows = []
-    for rank, available in enumerate(available_per_rank):
-        group_size = sizing.group_size(rank // sizing.tp)
-        rows.append((available, group_size, max(available // sizing.page_bytes // group_size, 0)))
-    if min(row[2] for row in rows) <= 0:
-        raise ValueError(
-            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
-            "the engine."
-        )
-    for available, group_size, blocks in rows:
-        needed = group_size * sizing.page_bytes * sizing.blocks_per_request
-        if needed > available:
-            raise ValueError(
-                f"To serve at least one request with the model's max seq len ({sizing.max_model_len}), "
-                f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
-                f"({available / GIB:.2f} GiB). Based on the available memory, the estimated maximum model length "
-                f"is {sizing.longest_within(blocks)}. Try increasing `gpu_memory_utilization` or decreasing "
-                "`max_model_len` when initializing the engine."
+def check_config(config: dict[str, Any]) -> None:
+    """create_engine_config: raise vLLM's recorded error for a configuration it refused (no KV check runs)."""
+    for vector in table()["vectors"]:
+        if "config_error" in vector and _matches(vector, config):
+            error = vector["config_error"]
+            raise ERRORS[error["type"]](error["message"])
+
+
+def lookup(config: dict[str, Any], available: list[int]) -> Vector:
+    """The vector for this configuration and these per-rank available bytes (rank order, pp-major)."""
+    same_config = [v for v in table()["vectors"] if "config_error" not in v and _matches(v, config)]
+    for vector in same_config:
+        if vector["available_kv_bytes_per_rank"] == available:
+            return Vector(
+                id=vector["id"],
+                log=tuple((level, message) for level, message in vector["log"]),
+                num_blocks=vector.get("num_blocks"),
+                max_model_len=vector.get("max_model_len"),
+                error=vector.get("error"),
             )
-    num_blocks = min(row[2] for row in rows)
-    concurrency = num_blocks / sizing.blocks_per_request
-    return Capacity(num_blocks=num_blocks, concurrency=concurrency, tokens=int(concurrency * sizing.max_model_len))
+    version = table()["vllm_version"]
+    if same_config:
+        recorded = "; ".join(f"{v['id']}: {v['available_kv_bytes_per_rank']}" for v in same_config)
+        hint = (
+            f" (vectors with this configuration have other available KV bytes per rank: {recorded}; the fake GPU "
+            "is set by VLLM_DOUBLE_GPU_MEMORY_GIB, VLLM_DOUBLE_OVERHEAD_GIB, the index's total_size, "
+            "--gpu-memory-utilization or --kv-cache-memory-bytes)"
+        )
+    else:
+        hint = ""
+    raise NoVector(
+        f"the vLLM test double has no vLLM {version} KV vector for {_describe(config)} with available KV bytes per "
+        f"rank {available}{hint}: add a case to {FIXTURE} (made by running vLLM {version}) and regenerate "
+        "src/vllm/double/kv_vectors.json with tests/engine_double/make_kv_table.py"
+    )

@@ -1,11 +1,12 @@
 """`vllm serve` for the test double: the startup sequence and its log, the engine on Ray, then the HTTP server.
 
 The sequence follows vLLM 0.23: API server (version, non-default args) -> model config (resolve the model, check
-flags against config.json) -> engine core (executor: Ray placement group and workers, weights check on every node,
-KV cache sizing) -> API server ("Starting vLLM server on http://HOST:PORT", routes, uvicorn's "Application startup
-complete."). A failure exits 1 with vLLM's message; the engine failing prints "EngineCore failed to start." and the
-API server's "Engine core initialization failed. See root cause above." A worker that dies while serving takes the
-engine down (health 503, then exit 1), as a dead Ray worker does to vLLM.
+flags against config.json, a configuration vLLM refuses) -> engine core (executor: Ray placement group and workers,
+weights check on every node, the KV cache lines vLLM 0.23.0 recorded for this configuration and these per-rank
+available bytes, see kv.py) -> API server ("Starting vLLM server on http://HOST:PORT", routes, uvicorn's
+"Application startup complete."). A failure exits 1 with vLLM's message; the engine failing prints "EngineCore failed
+to start." and the API server's "Engine core initialization failed. See root cause above." A worker that dies while
+serving takes the engine down (health 503, then exit 1), as a dead Ray worker does to vLLM.
 
 Environment knobs (all optional; VLLM_* names are copied to the Ray workers like vLLM's own):
 ``VLLM_DOUBLE_PG_TIMEOUT_S`` (placement group wait, default 20), ``VLLM_DOUBLE_LOAD_DELAY_S`` (pretend weight
@@ -32,7 +33,6 @@ from vllm.double.worker import RayWorkerWrapper
 
 E = log.ENGINE
 DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 class EngineStartupError(Exception):
@@ -157,7 +157,29 @@ class LocalExecutor:
         pass
 
 
-def start_engine(args: argparse.Namespace, model: Model, max_len: int, backend: str) -> tuple[Any, kv.Capacity]:
+def kv_cache_report(vector: kv.Vector) -> None:
+    """What vLLM logged while sizing the KV cache (get_kv_cache_configs), then its error if it raised one."""
+    log.info(
+        "kv_cache_utils.py:0",
+        f"hy3spark TEST DOUBLE: KV cache outcome recorded from vLLM {kv.table()['vllm_version']} for this "
+        f"configuration (vector {vector.id} of {kv.FIXTURE})",
+        E,
+    )
+    for level, message in vector.log:
+        where = "kv_cache_utils.py:1734" if message.startswith("Maximum concurrency") else "kv_cache_utils.py:1733"
+        log.line(where, message, level, E)
+    if vector.error is not None:
+        log.info(
+            "kv_cache_utils.py:0",
+            f"hy3spark TEST DOUBLE: rank {vector.error['rank']} is the first worker whose KV cache fails vLLM's check",
+            E,
+        )
+    vector.raise_error()
+
+
+def start_engine(
+    args: argparse.Namespace, model: Model, max_len: int, backend: str, config: dict[str, Any]
+) -> tuple[Any, kv.Vector]:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     world = tp * pp
     started = time.monotonic()
@@ -184,34 +206,23 @@ def start_engine(args: argparse.Namespace, model: Model, max_len: int, backend: 
     executor.call("init_device", args.gpu_memory_utilization)
     load_started = time.monotonic()
     executor.call("load_model", model.tag, args.revision, _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0))
-    sizing = kv.Sizing(
-        shape=kv.Shape.from_config(model.config, args.dtype, args.speculative_config),
-        tp=tp,
-        pp=pp,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size or kv.DEFAULT_BLOCK_SIZE,
+    memory = kv.Memory(
         gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=max_len,
-        weight_bytes=model.weight_bytes(),
+        weights_per_rank=model.weight_bytes() // world,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enforce_eager=bool(args.enforce_eager),
     )
-    executor.call("log_model_loading", sizing.weights_per_rank, time.monotonic() - load_started)
-    available = executor.call("determine_available_memory", sizing)
-    capacity = kv.capacity(sizing, available)
-    log.info("kv_cache_utils.py:1733", f"GPU KV cache size: {capacity.tokens:,} tokens", E)
-    log.info(
-        "kv_cache_utils.py:1734",
-        f"Maximum concurrency for {max_len:,} tokens per request: {capacity.concurrency:.2f}x",
-        E,
-    )
+    executor.call("log_model_loading", memory.weights_per_rank, time.monotonic() - load_started)
+    available = executor.call("determine_available_memory", memory)
+    vector = kv.lookup(config, available)
+    kv_cache_report(vector)
     executor.collect_reports()
     log.info(
         "core.py:210",
         f"init engine (profile, create kv cache, warmup model) took {time.monotonic() - started:.2f} seconds",
         E,
     )
-    return executor, capacity
+    return executor, vector
 
 
 def engine_failed(exc: BaseException) -> int:
@@ -266,7 +277,9 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         backend = executor_backend(args, world)
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        kv_config = kv.engine_config(model.config, args, max_len)
+        kv.check_config(kv_config)
+        batched = kv_config["max_num_batched_tokens"]
         log.info("scheduler.py:231", f"Chunked prefill is enabled with max_num_batched_tokens={batched}.")
         if args.enforce_eager:
             log.info("vllm.py:590", "Cudagraph is disabled under eager mode")
@@ -301,11 +314,12 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
         return fail(exc)
 
     try:
-        executor, capacity = start_engine(args, model, max_len, backend)
+        executor, vector = start_engine(args, model, max_len, backend, kv_config)
     except Exception as exc:
         server.server_close()
         return engine_failed(exc)
     state.workers = executor.reports
+    state.max_model_len = vector.max_model_len or max_len  # --max-model-len -1: what vLLM's auto-fit chose
 
     outcome = {"code": 0}
 
@@ -317,7 +331,7 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
 
     log.info(
         "loggers.py:147",
-        f"Engine 000: vllm cache_config_info with initialization after num_gpu_blocks is: {capacity.num_blocks}",
+        f"Engine 000: vllm cache_config_info with initialization after num_gpu_blocks is: {vector.num_blocks}",
     )
     log.info("api_server.py:1632", "Supported tasks: ['generate']")
     if args.enable_auto_tool_choice:

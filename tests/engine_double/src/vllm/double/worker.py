@@ -11,7 +11,8 @@ that holds its bundle, with that node's environment (the Ray container's env fil
   own NCCL/UCX/GLOO settings;
 - checks that the model is on THIS node at the same path, every shard readable (a real worker loads the weights
   there); failures name the node's IP;
-- sizes its KV cache share from its fake GPU (see kv.py).
+- measures its available KV cache memory on its own fake GPU (see kv.py); the engine matches every rank's against
+  vLLM's recorded vectors.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ class RayWorkerWrapper:
             tag=None,
         )
 
-    def determine_available_memory(self, sizing: kv.Sizing) -> int:
-        available = kv.available_bytes(sizing)
-        if sizing.kv_cache_memory_bytes is not None:
+    def determine_available_memory(self, memory: kv.Memory) -> int:
+        available = kv.available_bytes(memory)
+        if memory.kv_cache_memory_bytes is not None:
             log.info(
                 "gpu_worker.py:291",
                 f"Reserved {available / kv.GIB:.2f} GiB for KV cache as specified by kv_cache_memory_bytes config and "
