@@ -63,3 +63,23 @@ def test_json(cli) -> None:
                              "Maximum concurrency for 131,072 tokens per request: 2.20x"]
     assert [r["node"] for r in data["ranks"]] == ["spark-a", "spark-b"]
     assert data["problems"][0]["severity"] == "warning"
+
+
+def test_gpt_oss_on_a_spark_plans_vllms_2048_token_batch_default(cli) -> None:
+    """A GB10's NVML cannot report its memory, so `vllm serve` batches 2048 tokens (vLLM 0.23.0's vector
+    gptoss120b-profile-gb10-nvml-unsupported)."""
+    example = str(Path(__file__).parent.parent / "examples" / "gpt-oss-single.yml")
+    result = cli("plan", example)
+    assert result.code == 0
+    assert "  GPU KV cache size: 932,107 tokens\n" in result.out
+    assert "  Maximum concurrency for 131,072 tokens per request: 7.11x\n" in result.out
+
+
+def test_a_bad_kv_flag_in_extra_args_is_a_clean_error(cli, tmp_path: Path) -> None:
+    spec = tmp_path / "c.yml"
+    spec.write_text((Path(__file__).parent.parent / "examples/gpt-oss-single.yml").read_text().replace(
+        "  api_key_env: null\n", "  api_key_env: null\n  extra_args: [--max-num-batched-tokens, lots]\n"))
+    result = cli("plan", str(spec))
+    assert result.code == 1
+    assert "serving.extra_args: --max-num-batched-tokens 'lots' is not a whole number" in result.err
+    assert "Traceback" not in result.err
