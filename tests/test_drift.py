@@ -7,8 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pwd
 import shutil
+import stat
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -55,7 +59,7 @@ def test_an_unchanged_node_matches_its_record(drift: ModuleType, node: Path) -> 
     assert drift.differences(snapshot(drift, node), snapshot(drift, node)) == []
 
 
-def test_each_kind_of_change_is_named(drift: ModuleType, node: Path) -> None:
+def test_several_changes_are_each_named(drift: ModuleType, node: Path) -> None:
     record = snapshot(drift, node)
     (node / "etc/node.env").write_text("VLLM_HOST_IP=10.0.0.1\n")  # content
     (node / "etc/vllm/list.json").chmod(0o600)  # mode
@@ -63,11 +67,11 @@ def test_each_kind_of_change_is_named(drift: ModuleType, node: Path) -> None:
     (node / "netplan.yaml").unlink()  # a missing file
     os.truncate(node / "hub/blobs/abc", 3)  # a truncated shard
     assert drift.differences(record, snapshot(drift, node)) == [
-        f"files {node}/netplan.yaml",
-        f"models {node}/hub",
-        f"trees {node}/etc/extra.conf",
-        f"trees {node}/etc/node.env",
-        f"trees {node}/etc/vllm/list.json",
+        f"files {node}/netplan.yaml (missing)",
+        f"models {node}/hub/blobs/abc (mtime_ns, size)",
+        f"trees {node}/etc/extra.conf (new)",
+        f"trees {node}/etc/node.env (sha256)",
+        f"trees {node}/etc/vllm/list.json (mode)",
     ]
 
 
@@ -83,7 +87,8 @@ def test_a_relinked_snapshot_is_a_change(drift: ModuleType, node: Path) -> None:
     link = node / "hub/snapshots/rev/model.safetensors"
     link.unlink()
     os.symlink("../../blobs/other", link)
-    assert drift.differences(record, snapshot(drift, node)) == [f"models {node}/hub"]
+    assert drift.differences(record, snapshot(drift, node)) == [
+        f"models {node}/hub/snapshots/rev/model.safetensors (link)"]
 
 
 def test_the_record_is_written_0600_and_atomically(drift: ModuleType, tmp_path: Path) -> None:
@@ -117,14 +122,363 @@ def test_content_hash_follows_the_roles_and_ignores_caches(tmp_path: Path) -> No
     assert content.content_sha256(tmp_path) != before
 
 
-def test_interfaces_are_their_configured_addresses_and_mtu(drift: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ip -j addr show dev X` as iproute2 prints it: only the configured addresses count, not the ones the kernel
-    adds and rotates by itself (link-local, SLAAC/privacy addresses marked dynamic)."""
-    shown = [{"ifname": "enp1s0f1np1", "mtu": 9000, "operstate": "UP", "addr_info": [
-        {"family": "inet", "local": "10.0.0.2", "prefixlen": 24, "scope": "global"},
-        {"family": "inet6", "local": "fd00::2", "prefixlen": 64, "scope": "global", "dynamic": True},
-        {"family": "inet6", "local": "fe80::1", "prefixlen": 64, "scope": "link"}]}]
-    monkeypatch.setattr(drift, "run", lambda argv: (0, json.dumps(shown)))
-    assert drift.interface_state("enp1s0f1np1") == {"mtu": 9000, "addresses": ["10.0.0.2/24"]}
-    monkeypatch.setattr(drift, "run", lambda argv: (1, ""))
-    assert drift.interface_state("enp1s0f1np1") == "missing"
+# --- every watched kind, on a whole node ------------------------------------------------------------------------------
+# The files, trees, SSH files and model cache are real files. Docker, systemd and iproute2 are stand-ins on PATH
+# (`docker`, `systemctl`, `ip`) that print what the real tools print for the node World.data describes, for exactly
+# the calls the module makes (any other call fails); the module reads the unit's argv from /proc of a real process.
+# The real tools meet the module in molecule/site.
+TOOL = """\
+#!/bin/sh
+key="$DRIFT_WORLD/$(basename "$0")-$(printf '%s ' "$@" | od -An -tx1 | tr -d ' \\n')"
+[ -f "$key.out" ] || { echo "$(basename "$0") $*: not a call the drift module makes" >&2; exit 2; }
+cat "$key.out"
+exit "$(cat "$key.rc")"
+"""
+
+IFACE, UNIT, REF, CONTAINER = "enp1s0f1np1", "earlyoom", "hy3spark/engine:cli", "hy3-head"
+ENGINE = "vllm serve /models/hy3 --port 8000"
+INPUTS = "0" * 64
+NOBODY = 65534  # a uid and gid nothing here runs as
+
+
+class World:
+    """One node as the drift module sees it: real files under `root`, and what docker/systemctl/ip report."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.netplan, self.etc, self.hub, self.ssh = root / "netplan.yaml", root / "etc", root / "hub", root / "ssh"
+        self.netplan.write_text("network: {}\n")
+        (self.etc / "vllm").mkdir(parents=True)
+        (self.etc / "node.env").write_text("VLLM_HOST_IP=10.0.0.2\n")
+        (self.etc / "vllm/list.json").write_text("[]\n")
+        self.ssh.mkdir(mode=0o700)
+        (self.ssh / "authorized_keys").write_text("ssh-ed25519 AAAA hy3spark\n")
+        (self.hub / "blobs").mkdir(parents=True)
+        (self.hub / "blobs/abc").write_bytes(b"weights")
+        (self.hub / "snapshots/rev").mkdir(parents=True)
+        os.symlink("../../blobs/abc", self.hub / "snapshots/rev/model.safetensors")
+        self.user = pwd.getpwuid(os.getuid())
+        # user_files are paths under the user's home: these lead from it to the test's directory.
+        self.user_paths = [os.path.relpath(p, self.user.pw_dir) for p in (self.ssh, self.ssh / "authorized_keys")]
+        bin_dir = root / "bin"
+        bin_dir.mkdir()
+        for tool in ("docker", "systemctl", "ip"):
+            (bin_dir / tool).write_text(TOOL)
+            (bin_dir / tool).chmod(0o755)
+        self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+        self.unit_processes: list[subprocess.Popen[bytes]] = []
+        self.data: dict = {
+            "images": {REF: "sha256:" + "1" * 64},
+            "containers": {CONTAINER: {"Id": "c" * 64, "Image": "sha256:" + "1" * 64,
+                                       "State": {"Running": True, "StartedAt": "2026-12-01T10:00:00.1Z"}}},
+            "top": {CONTAINER: ["4242                Tue                 Dec 1 10:00:05 2026 /bin/sh /etc/serve.sh",
+                                f"4250                Tue                 Dec 1 10:00:06 2026 python3 -m {ENGINE}",
+                                "4300                Tue                 Dec 1 10:00:09 2026 ray::RayWorkerWrapper"]},
+            "units": {UNIT: {"ActiveState": "active", "UnitFileState": "enabled",
+                             "MainPID": self.start_unit(["-m", "4", "-s", "100"])}},
+            "links": {IFACE: {"ifname": IFACE, "mtu": 9000, "operstate": "UP", "addr_info": [
+                {"family": "inet", "local": "10.0.0.2", "prefixlen": 24, "scope": "global"}]}},
+        }
+
+    def start_unit(self, args: list[str]) -> int:
+        """A real process standing for the unit's main process: the module reads its argv from /proc."""
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", *args])
+        self.unit_processes.append(proc)
+        return proc.pid
+
+    def watch(self) -> dict:
+        return {
+            "files": [str(self.netplan)],
+            "trees": [str(self.etc)],
+            "user_files": {"user": self.user.pw_name, "paths": self.user_paths},
+            "interfaces": [IFACE],
+            "units": [UNIT],
+            "images": [REF],
+            "containers": [CONTAINER],
+            "processes": [{"container": CONTAINER, "match": ENGINE}],
+            "models": [str(self.hub)],
+        }
+
+    def answers(self) -> dict[tuple[str, ...], tuple[int, str]]:
+        """What the real tools print (and their exit codes) for the calls the module makes, on this node now."""
+        d = self.data
+        container = d["containers"].get(CONTAINER)
+        unit = d["units"].get(UNIT, {"ActiveState": "inactive", "UnitFileState": "", "MainPID": 0})
+        link = d["links"].get(IFACE)
+        return {
+            ("docker", "image", "inspect", "--format", "{{.Id}}", REF):
+                (0, d["images"][REF] + "\n") if REF in d["images"] else (1, ""),
+            ("docker", "inspect", "--type", "container", CONTAINER):
+                (0, json.dumps([container])) if container else (1, "[]\n"),
+            ("docker", "top", CONTAINER, "-eo", "pid,lstart,args"):
+                (0, "".join(f"{row}\n" for row in ["PID                 STARTED             COMMAND",
+                                                    *d["top"][CONTAINER]]))
+                if container and container["State"]["Running"] else (1, ""),
+            ("systemctl", "show", UNIT, "--property", "ActiveState,UnitFileState,MainPID"):
+                (0, "".join(f"{key}={unit[key]}\n" for key in ("ActiveState", "UnitFileState", "MainPID"))),
+            ("ip", "-j", "addr", "show", "dev", IFACE): (0, json.dumps([link])) if link else (1, ""),
+        }
+
+    def observe(self, drift: ModuleType) -> dict:
+        """The node's state, through the same JSON round trip as the record on the node."""
+        answers = self.root / "answers"
+        shutil.rmtree(answers, ignore_errors=True)
+        answers.mkdir()
+        for (tool, *args), (rc, out) in self.answers().items():
+            key = answers / f"{tool}-{''.join(f'{a} ' for a in args).encode().hex()}"
+            key.with_suffix(".out").write_text(out)
+            key.with_suffix(".rc").write_text(f"{rc}\n")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PATH", self.path)
+            mp.setenv("DRIFT_WORLD", str(answers))
+            return json.loads(json.dumps(drift.observe(self.watch())))
+
+    def stop(self) -> None:
+        for proc in self.unit_processes:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path)
+    yield w
+    w.stop()
+
+
+def chown_away(path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("giving a file another owner needs root (scripts/test runs as root)")
+    os.lchown(path, NOBODY, NOBODY)
+
+
+def keep_mtime(path: Path, change: Callable[[], object]) -> None:
+    """A change that leaves the file's mtime as it was (rsync --times, a careful hand): only the change shows."""
+    st = path.stat()
+    change()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def relink(w: World) -> None:
+    link = w.hub / "snapshots/rev/model.safetensors"
+    link.unlink()
+    os.symlink("../../blobs/other", link)
+
+
+def no_exist_marker(w: World) -> None:
+    (w.hub / ".no_exist/rev").mkdir(parents=True)
+    (w.hub / ".no_exist/rev/generation_config.json").write_text("")
+
+
+def engine_restarted(w: World) -> None:
+    w.data["top"][CONTAINER][1] = f"5100                Tue                 Dec 1 11:30:00 2026 python3 -m {ENGINE}"
+
+
+def unit_restarted_with(w: World, args: list[str]) -> None:
+    w.data["units"][UNIT]["MainPID"] = w.start_unit(args)
+
+
+def unit_stopped(w: World) -> None:
+    w.data["units"][UNIT].update(ActiveState="inactive", MainPID=0)
+
+
+def add_addresses(w: World) -> None:
+    """What the kernel adds by itself: a link-local address and a SLAAC one (dynamic)."""
+    w.data["links"][IFACE]["addr_info"] += [
+        {"family": "inet6", "local": "fe80::1", "prefixlen": 64, "scope": "link"},
+        {"family": "inet6", "local": "fd00::2", "prefixlen": 64, "scope": "global", "dynamic": True}]
+
+
+# Each case: one kind of change on the node, and what drift must name (paths relative to the test's directory).
+CHANGES: dict[str, tuple[Callable[[World], object], list[str]]] = {
+    # files: content, mode, owner, gone
+    "files-content": (lambda w: w.netplan.write_text("network: {version: 2}\n"),
+                      ["files {root}/netplan.yaml (sha256)"]),
+    "files-mode": (lambda w: w.netplan.chmod(0o600), ["files {root}/netplan.yaml (mode)"]),
+    "files-owner": (lambda w: chown_away(w.netplan), ["files {root}/netplan.yaml (gid, uid)"]),
+    "files-missing": (lambda w: w.netplan.unlink(), ["files {root}/netplan.yaml (missing)"]),
+    # trees: every file and directory under a watched directory
+    "trees-content": (lambda w: (w.etc / "node.env").write_text("VLLM_HOST_IP=10.0.0.9\n"),
+                      ["trees {root}/etc/node.env (sha256)"]),
+    "trees-mode": (lambda w: (w.etc / "node.env").chmod(0o600), ["trees {root}/etc/node.env (mode)"]),
+    "trees-owner": (lambda w: chown_away(w.etc / "vllm/list.json"), ["trees {root}/etc/vllm/list.json (gid, uid)"]),
+    "trees-directory-mode": (lambda w: (w.etc / "vllm").chmod(0o700), ["trees {root}/etc/vllm (mode)"]),
+    "trees-new-file": (lambda w: (w.etc / "extra.conf").write_text("x\n"), ["trees {root}/etc/extra.conf (new)"]),
+    "trees-file-gone": (lambda w: (w.etc / "vllm/list.json").unlink(), ["trees {root}/etc/vllm/list.json (gone)"]),
+    # user_files: the deploying user's SSH directory and files
+    "user_files-content": (lambda w: (w.ssh / "authorized_keys").write_text("ssh-ed25519 BBBB someone\n"),
+                           ["user_files {ssh}/authorized_keys (sha256)"]),
+    "user_files-owner": (lambda w: chown_away(w.ssh / "authorized_keys"),
+                         ["user_files {ssh}/authorized_keys (gid, uid)"]),
+    "user_files-directory-mode": (lambda w: w.ssh.chmod(0o755), ["user_files {ssh} (mode)"]),
+    # interfaces: configured addresses and MTU; what the kernel adds by itself is no change
+    "interfaces-address": (lambda w: w.data["links"][IFACE]["addr_info"][0].update(local="10.0.0.9"),
+                           [f"interfaces {IFACE} (addresses)"]),
+    "interfaces-mtu": (lambda w: w.data["links"][IFACE].update(mtu=1500), [f"interfaces {IFACE} (mtu)"]),
+    "interfaces-missing": (lambda w: w.data["links"].pop(IFACE), [f"interfaces {IFACE} (missing)"]),
+    "interfaces-kernel-addresses": (add_addresses, []),
+    # units: active and enabled state, the running process's argv
+    "units-stopped": (unit_stopped, [f"units {UNIT} (active, argv)"]),
+    "units-disabled": (lambda w: w.data["units"][UNIT].update(UnitFileState="disabled"), [f"units {UNIT} (enabled)"]),
+    "units-argv": (lambda w: unit_restarted_with(w, ["-m", "10", "-s", "100"]), [f"units {UNIT} (argv)"]),
+    "units-restart-same-argv": (lambda w: unit_restarted_with(w, ["-m", "4", "-s", "100"]), []),
+    # images: the image ID behind the spec's ref
+    "images-id": (lambda w: w.data["images"].update({REF: "sha256:" + "2" * 64}), [f"images {REF}"]),
+    "images-missing": (lambda w: w.data["images"].pop(REF), [f"images {REF} (missing)"]),
+    # containers: ID, image, running, start time
+    "containers-recreated": (lambda w: w.data["containers"][CONTAINER].update(
+        Id="d" * 64, State={"Running": True, "StartedAt": "2026-12-01T11:00:00.1Z"}),
+        [f"containers {CONTAINER} (id, started_at)"]),
+    "containers-restarted": (lambda w: w.data["containers"][CONTAINER]["State"].update(
+        StartedAt="2026-12-01T11:00:00.1Z"), [f"containers {CONTAINER} (started_at)"]),
+    "containers-image": (lambda w: w.data["containers"][CONTAINER].update(Image="sha256:" + "2" * 64),
+                         [f"containers {CONTAINER} (image)"]),
+    # A stopped or removed container takes the engine with it.
+    "containers-stopped": (lambda w: w.data["containers"][CONTAINER]["State"].update(Running=False),
+                           [f"containers {CONTAINER} (running)", f"processes {CONTAINER}"]),
+    "containers-missing": (lambda w: w.data["containers"].pop(CONTAINER),
+                           [f"containers {CONTAINER} (missing)", f"processes {CONTAINER}"]),
+    # processes: the engine's PIDs and start times in the container; other processes there are no change
+    "processes-engine-restarted": (engine_restarted, [f"processes {CONTAINER}"]),
+    "processes-engine-gone": (lambda w: w.data["top"][CONTAINER].pop(1), [f"processes {CONTAINER}"]),
+    "processes-other-process": (lambda w: w.data["top"][CONTAINER].append(
+        "4400                Tue                 Dec 1 10:40:00 2026 ray::IDLE"), []),
+    # models: every entry of the model's cache directory
+    "models-mtime": (lambda w: os.utime(w.hub / "blobs/abc", ns=(0, 10**18)),
+                     ["models {root}/hub/blobs/abc (mtime_ns)"]),
+    "models-size": (lambda w: keep_mtime(w.hub / "blobs/abc", lambda: os.truncate(w.hub / "blobs/abc", 3)),
+                    ["models {root}/hub/blobs/abc (size)"]),
+    "models-owner": (lambda w: chown_away(w.hub / "blobs/abc"), ["models {root}/hub/blobs/abc (gid, uid)"]),
+    "models-mode": (lambda w: (w.hub / "blobs/abc").chmod(0o600), ["models {root}/hub/blobs/abc (mode)"]),
+    "models-link": (relink, ["models {root}/hub/snapshots/rev/model.safetensors (link)"]),
+    "models-link-owner": (lambda w: chown_away(w.hub / "snapshots/rev/model.safetensors"),
+                          ["models {root}/hub/snapshots/rev/model.safetensors (gid, uid)"]),
+    "models-directory-owner": (lambda w: chown_away(w.hub / "snapshots"), ["models {root}/hub/snapshots (gid, uid)"]),
+    "models-new-file": (lambda w: (w.hub / "blobs/def").write_bytes(b"more"), ["models {root}/hub/blobs/def (new)"]),
+    "models-file-gone": (lambda w: (w.hub / "blobs/abc").unlink(), ["models {root}/hub/blobs/abc (gone)"]),
+    "models-missing": (lambda w: shutil.rmtree(w.hub), ["models {root}/hub (missing)"]),
+    "models-hub-markers": (no_exist_marker, []),
+}
+
+
+@pytest.mark.parametrize("case", CHANGES)
+def test_each_watched_kind_of_change_is_named(drift: ModuleType, world: World, case: str) -> None:
+    change, expected = CHANGES[case]
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [], "an unchanged node is in sync"
+    change(world)
+    names = [e.format(root=world.root, ssh=world.user_paths[0]) for e in expected]
+    assert drift.compare(record, INPUTS, world.observe(drift)) == names
+
+
+def test_every_watched_kind_is_observed(drift: ModuleType, world: World) -> None:
+    """What the record holds for each kind (the fields the cases above change)."""
+    state = world.observe(drift)
+    assert sorted(state) == ["containers", "files", "images", "interfaces", "models", "processes", "trees", "units",
+                             "user_files"]
+    uid, gid = os.getuid(), os.getgid()
+    assert set(state["files"][str(world.netplan)]) == {"mode", "uid", "gid", "sha256"}
+    assert state["user_files"][world.user_paths[0]] == {"mode": "0700", "uid": uid, "gid": gid, "type": "dir"}
+    assert state["interfaces"] == {IFACE: {"mtu": 9000, "addresses": ["10.0.0.2/24"]}}
+    assert state["units"] == {UNIT: {"active": "active", "enabled": "enabled",
+                                     "argv": [sys.executable, "-c", "import time; time.sleep(600)", "-m", "4", "-s",
+                                              "100"]}}
+    assert state["images"] == {REF: "sha256:" + "1" * 64}
+    assert state["containers"] == {CONTAINER: {"id": "c" * 64, "image": "sha256:" + "1" * 64, "running": True,
+                                               "started_at": "2026-12-01T10:00:00.1Z"}}
+    assert state["processes"] == {CONTAINER: ["4250 Tue Dec 1 10:00:06 2026"]}
+    blob = (world.hub / "blobs/abc").stat()
+    assert state["models"][str(world.hub)]["blobs/abc"] == {"mode": "0644", "uid": uid, "gid": gid, "size": 7,
+                                                           "mtime_ns": blob.st_mtime_ns}
+    assert state["models"][str(world.hub)]["snapshots/rev/model.safetensors"]["link"] == "../../blobs/abc"
+    assert state["models"][str(world.hub)]["."]["type"] == "dir"
+
+
+def test_changed_inputs_are_named(drift: ModuleType, world: World) -> None:
+    state = world.observe(drift)
+    record = {"inputs": INPUTS, "state": state}
+    assert drift.compare(record, INPUTS, state) == []
+    assert drift.compare(record, "1" * 64, state) == [
+        "inputs (the spec, a role input, a secret or hy3spark's own code changed)"]
+    assert drift.compare({"state": state}, INPUTS, state) == [drift.INPUTS_CHANGED], "a record without inputs"
+
+
+def test_a_user_that_does_not_exist_is_named(drift: ModuleType, world: World) -> None:
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    world.user = pwd.struct_passwd(("hy3spark-nobody-here", *world.user[1:]))
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [
+        "user_files (user) (new)", f"user_files {world.user_paths[0]} (gone)",
+        f"user_files {world.user_paths[1]} (gone)"]
+
+
+def test_the_loopback_interface_through_the_real_ip(drift: ModuleType) -> None:
+    """iproute2's own JSON: the loopback's 127.0.0.1/8 (scope host) is a configured address."""
+    lo = drift.interface_state("lo")
+    assert lo["mtu"] > 0 and "127.0.0.1/8" in lo["addresses"], lo
+    assert drift.interface_state("hy3spark-none0") == "missing"
+
+
+# --- the module as Ansible runs it ------------------------------------------------------------------------------------
+PLAYBOOK = """\
+- name: Record and compare as site.yml does
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  vars:
+    watch: {files: ["{{ dir }}/netplan.yaml"], trees: ["{{ dir }}/etc"], models: ["{{ dir }}/hub"]}
+    record: "{{ dir }}/state/deployed.json"
+  tasks:
+    - name: Compare before any record
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: compared}
+      register: no_record
+    - name: Record in check mode
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: recorded}
+      check_mode: true
+      register: record_check
+    - name: Look for the record after check mode
+      ansible.builtin.stat: {path: "{{ record }}"}
+      register: after_check
+    - name: Record
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: recorded}
+      register: first
+    - name: Record again
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: recorded}
+      register: second
+    - name: Compare with the same inputs
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: compared}
+      register: same
+    - name: Compare with other inputs
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: other, state: compared}
+      register: other
+    - name: Edit a watched file by hand
+      ansible.builtin.copy: {content: "network: {version: 2}\\n", dest: "{{ dir }}/netplan.yaml", mode: "0644"}
+    - name: Compare after the edit
+      hy3spark_drift: {watch: "{{ watch }}", record: "{{ record }}", inputs: "{{ inputs }}", state: compared}
+      register: edited
+    - name: Write what the module returned
+      ansible.builtin.copy:
+        content: "{{ {'no_record': no_record, 'record_check': record_check, 'after_check': after_check.stat.exists,
+                      'first': first, 'second': second, 'same': same, 'other': other, 'edited': edited} | to_json }}"
+        dest: "{{ dir }}/results.json"
+        mode: "0600"
+"""
+
+
+def test_the_module_records_and_compares_in_a_playbook(node: Path) -> None:
+    (node / "play.yml").write_text(PLAYBOOK)
+    env = {**os.environ, "ANSIBLE_LIBRARY": str(ROOT / "roles/drift/library"), "ANSIBLE_NOCOLOR": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
+                           "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"dir={node}",
+                           "-e", f"inputs={INPUTS}", str(node / "play.yml")],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((node / "results.json").read_text())
+    assert (r["no_record"]["in_sync"], r["no_record"]["differs"]) == (
+        False, ["no record (no complete site.yml run on this node yet)"])
+    assert (r["record_check"]["changed"], r["after_check"]) == (True, False), "check mode writes no record"
+    assert (r["first"]["changed"], r["second"]["changed"]) == (True, False)
+    assert stat.S_IMODE((node / "state/deployed.json").stat().st_mode) == 0o600
+    assert (r["same"]["in_sync"], r["same"]["differs"]) == (True, [])
+    assert (r["other"]["in_sync"], r["other"]["differs"]) == (
+        False, ["inputs (the spec, a role input, a secret or hy3spark's own code changed)"])
+    assert (r["edited"]["in_sync"], r["edited"]["differs"]) == (False, [f"files {node}/netplan.yaml (sha256)"])

@@ -27,7 +27,7 @@ short_description: Compare a node with its hy3spark deployment record, or write 
 description:
   - Observes what site.yml manages on the node (files and directory trees by SHA-256, mode and owner; the fabric
     interfaces' addresses and MTU; systemd units' state and running argv; image IDs; Ray containers' IDs and
-    start times; the engine's processes; the model's hub cache entries by size and mtime).
+    start times; the engine's processes; the model's hub cache entries by size, mtime, mode and owner).
   - C(state=compared) compares that with the record and the expected inputs hash; C(state=recorded) writes the
     record (mode 0600) when it differs.
 options:
@@ -56,8 +56,9 @@ in_sync:
   description: The record exists, its inputs hash is the expected one, and every observation equals the record.
   type: bool
 differs:
-  description: What differs, as "kind name" strings (for example "files /etc/default/earlyoom"), or why there is no
-    comparison ("no record").
+  description: What differs, as "kind name (fields)" strings (for example "files /etc/default/earlyoom (sha256)",
+    "containers hy3-head (id, started_at)", "models .../blobs/x (missing)"), or why there is no comparison
+    ("no record").
   type: list
 health:
   description: HTTP status of watch.health (or the connection error), when asked.
@@ -65,12 +66,16 @@ health:
 """
 
 
+def owner_mode(st: os.stat_result) -> dict:
+    return {"mode": f"{stat.S_IMODE(st.st_mode):04o}", "uid": st.st_uid, "gid": st.st_gid}
+
+
 def file_state(path: str) -> object:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return "missing"
-    entry = {"mode": f"{stat.S_IMODE(st.st_mode):04o}", "uid": st.st_uid, "gid": st.st_gid}
+    entry = owner_mode(st)
     if stat.S_ISLNK(st.st_mode):
         entry["link"] = os.readlink(path)
     elif stat.S_ISREG(st.st_mode):
@@ -96,6 +101,21 @@ def tree_state(root: str) -> object:
     return out
 
 
+def model_entry(path: str) -> dict:
+    """A file by size and mtime, not by hash (model_sync verified the hashes when it transferred it; hashing
+    hundreds of GB is no per-run check); a link by its target; a directory by mode and owner only (its mtime moves
+    whenever the hub adds an entry). Mode and owner everywhere: model_sync sets them (0644 files, the sync user)."""
+    st = os.lstat(path)
+    entry = owner_mode(st)
+    if stat.S_ISLNK(st.st_mode):
+        entry["link"] = os.readlink(path)
+    elif stat.S_ISREG(st.st_mode):
+        entry.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
+    else:
+        entry["type"] = "dir" if stat.S_ISDIR(st.st_mode) else "other"
+    return entry
+
+
 def model_state(root: str) -> object:
     if not os.path.isdir(root):
         return "missing"
@@ -103,12 +123,10 @@ def model_state(root: str) -> object:
     for dirpath, dirnames, filenames in os.walk(root):
         # huggingface_hub's markers of files a repo does not have (written when the engine looks for one): not model.
         dirnames[:] = sorted(d for d in dirnames if d != ".no_exist")
-        for name in sorted(filenames) + sorted(d for d in dirnames if os.path.islink(os.path.join(dirpath, d))):
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            out[os.path.relpath(path, root)] = (
-                ["link", os.readlink(path)] if stat.S_ISLNK(st.st_mode) else ["file", st.st_size, st.st_mtime_ns]
-            )
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # os.walk does not enter them
+        for name in [".", *sorted(filenames), *links]:
+            path = os.path.normpath(os.path.join(dirpath, name))
+            out[os.path.relpath(path, root)] = model_entry(path)
     return out
 
 
@@ -188,6 +206,7 @@ def health(url: str) -> object:
         return str(getattr(exc, "reason", exc))
 
 
+INPUTS_CHANGED = "inputs (the spec, a role input, a secret or hy3spark's own code changed)"
 OBSERVERS = {
     "files": file_state,
     "trees": tree_state,
@@ -212,18 +231,48 @@ def observe(watch: dict) -> dict:
     return state
 
 
+# Kinds whose every watched name holds entries of its own (a tree's files, a model's files): named one by one.
+NESTED = ("trees", "models")
+
+
+def what(old: object, new: object) -> str:
+    """How one observation differs from its record: the fields that changed, or that it appeared or went."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return f" ({', '.join(sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)))})"
+    if old is None:
+        return " (new)"
+    if new is None:
+        return " (gone)"
+    if new == "missing":
+        return " (missing)"
+    if old == "missing":
+        return " (was missing)"
+    return ""
+
+
 def differences(recorded: dict, state: dict) -> list:
     diffs = []
     for kind in sorted(set(recorded) | set(state)):
         old, new = recorded.get(kind, {}), state.get(kind, {})
         for name in sorted(set(old) | set(new)):
-            if old.get(name) != new.get(name):
-                if isinstance(old.get(name), dict) and isinstance(new.get(name), dict) and kind == "trees":
-                    inner = sorted(k for k in set(old[name]) | set(new[name]) if old[name].get(k) != new[name].get(k))
-                    diffs.extend(f"{kind} {os.path.join(name, k)}" for k in inner)
-                else:
-                    diffs.append(f"{kind} {name}")
+            if old.get(name) == new.get(name):
+                continue
+            if kind in NESTED and isinstance(old.get(name), dict) and isinstance(new.get(name), dict):
+                inner_old, inner_new = old[name], new[name]
+                diffs.extend(
+                    f"{kind} {os.path.normpath(os.path.join(name, k))}{what(inner_old.get(k), inner_new.get(k))}"
+                    for k in sorted(set(inner_old) | set(inner_new))
+                    if inner_old.get(k) != inner_new.get(k)
+                )
+            else:
+                diffs.append(f"{kind} {name}{what(old.get(name), new.get(name))}")
     return diffs
+
+
+def compare(record: dict, inputs: str, state: dict) -> list:
+    """What differs between a node's record and its state now, the run's inputs hash first."""
+    differs = [] if record.get("inputs") == inputs else [INPUTS_CHANGED]
+    return differs + differences(record.get("state", {}), state)
 
 
 def read_record(path: str) -> dict | None:
@@ -284,12 +333,7 @@ def main() -> None:
     elif not record:
         differs = [f"the record {path} is unreadable"]
     else:
-        differs = (
-            []
-            if record.get("inputs") == inputs
-            else ["inputs (the spec, a role input, a secret or hy3spark's own code changed)"]
-        )
-        differs += differences(record.get("state", {}), state)
+        differs = compare(record, inputs, state)
     result.update(in_sync=not differs, differs=differs)
     module.exit_json(**result)
 
