@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
+import golden
 import pytest
 import yaml
-from golden import GOLDEN, cases, portable
+from golden import REPO, cases, changes, portable, summary
 
 from hy3spark.render import render_all
 from hy3spark.spec import load_spec, parse_spec
 
 CASES = cases()
+REVIEW = "review the diff, then run tests/golden.py"
+
+
+def _unreviewed(found: list[golden.Change]) -> str:
+    return f"{summary(found)}; {REVIEW} (it shows this diff again and asks)\n" + "".join(c.diff() for c in found)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_render_matches_golden(name: str) -> None:
-    outputs = render_all(load_spec(CASES[name]))
-    expected = sorted(p.relative_to(GOLDEN / name).as_posix() for p in (GOLDEN / name).rglob("*") if p.is_file())
-    assert sorted(o.path for o in outputs) == expected, "rendered file set changed: run tests/golden.py and review"
-    for out in outputs:
-        assert portable(out.content) == (GOLDEN / name / out.path).read_text(), f"{out.path} differs: tests/golden.py"
+    want = {f"tests/golden/{name}/{o.path}": portable(o.content) for o in render_all(load_spec(CASES[name]))}
+    found = changes(REPO, want, trees=(f"tests/golden/{name}",))
+    assert not found, _unreviewed(found)
 
 
 def _netplan() -> str:
@@ -209,8 +214,107 @@ def test_render_out_refuses_bad_spec_and_keeps_the_previous_render(cli, tmp_path
 
 
 def test_repo_inventory_is_the_default_render() -> None:
-    """The committed inventory/ is what `./hy3 render --out .` gives for the embedded default: never stale."""
-    repo = Path(__file__).resolve().parent.parent
-    for out in render_all(load_spec(None)):
-        if out.kind == "inventory":
-            assert (repo / out.path).read_text() == out.content, f"{out.path} is stale: ./hy3 render --out ."
+    """The committed inventory/ is what `./hy3 render --out .` gives for the embedded default: never stale, and no
+    host_vars left over from a node the default no longer has."""
+    want = {o.path: o.content for o in render_all(load_spec(None)) if o.kind == "inventory"}
+    assert set(want) == {"inventory/hosts.yml", "inventory/group_vars/all/hy3spark.yml",
+                         "inventory/host_vars/spark-a.yml", "inventory/host_vars/spark-b.yml"}
+    found = changes(REPO, want, trees=("inventory",))
+    assert not found, _unreviewed(found)
+
+
+# --- tests/golden.py: a diff to review, never a blind rewrite ----------------------------------------------------
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def golden_copy(tmp_path: Path) -> Path:
+    """A copy of the goldens and inventory/ to let golden.py loose on; the render still comes from the repo."""
+    for tree in golden.TREES:
+        shutil.copytree(REPO / tree, tmp_path / tree)
+    return tmp_path
+
+
+def _golden(root: Path, *argv: str, stdin: io.StringIO | None = None) -> tuple[int, str]:
+    out = io.StringIO()
+    code = golden.main(list(argv), root=root, stdin=stdin or io.StringIO(""), out=out)
+    return code, out.getvalue()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_golden_check_passes_on_the_committed_goldens(golden_copy: Path) -> None:
+    assert _golden(golden_copy, "--check") == (0, "goldens and inventory/ match the render (tests/golden, inventory)\n")
+
+
+def test_golden_check_prints_the_diff_and_writes_nothing(golden_copy: Path) -> None:
+    # The golden with VLLM_API_KEY dropped: what a buggy render accepted blindly would have left behind.
+    nco = "tests/golden/default/files/spark-a/etc/hy3spark/vllm/ray_non_carry_over_env_vars.json"
+    (golden_copy / nco).write_text((golden_copy / nco).read_text().replace('    "VLLM_API_KEY",\n', ""))
+    before = _tree(golden_copy)
+    code, out = _golden(golden_copy, "--check")
+    assert code == 1
+    assert f"--- a/{nco}\n+++ b/{nco}\n" in out
+    assert '\n+    "VLLM_API_KEY",\n' in out
+    assert "1 file(s) differ: 1 changed, 0 new, 0 stale" in out and REVIEW in out
+    assert _tree(golden_copy) == before
+
+
+def test_golden_without_a_terminal_needs_accept(golden_copy: Path) -> None:
+    env = "tests/golden/hy3-two-spark/files/spark-b/etc/hy3spark/node.env"
+    (golden_copy / env).write_text((golden_copy / env).read_text().replace("VLLM_HOST_IP=10.0.0.2", "VLLM_HOST_IP=x"))
+    before = _tree(golden_copy)
+    code, out = _golden(golden_copy)
+    assert code == 1
+    assert "-VLLM_HOST_IP=x\n+VLLM_HOST_IP=10.0.0.2\n" in out
+    assert "not written: no terminal to ask on" in out and "tests/golden.py --accept" in out
+    assert _tree(golden_copy) == before
+
+    code, out = _golden(golden_copy, "--accept")
+    assert code == 0 and "-VLLM_HOST_IP=x\n+VLLM_HOST_IP=10.0.0.2\n" in out and "wrote 1 file(s)" in out
+    assert "VLLM_HOST_IP=10.0.0.2\n" in (golden_copy / env).read_text()
+    assert _golden(golden_copy, "--check")[0] == 0
+
+
+@pytest.mark.parametrize(("answer", "written"), [("y\n", True), ("yes\n", True), ("n\n", False), ("\n", False)])
+def test_golden_on_a_terminal_asks_before_writing(golden_copy: Path, answer: str, written: bool) -> None:
+    hosts = golden_copy / "inventory/hosts.yml"
+    hosts.write_text(hosts.read_text().replace("ansible_user: ubuntu", "ansible_user: root", 1))
+    code, out = _golden(golden_copy, stdin=_Terminal(answer))
+    assert "-          ansible_user: root\n+          ansible_user: ubuntu\n" in out
+    assert "accept? [y/N] " in out
+    assert code == (0 if written else 1)
+    assert ("ansible_user: root" not in hosts.read_text()) is written
+    assert ("not written" in out) is not written
+
+
+def test_golden_accept_adds_missing_and_removes_stale_files(golden_copy: Path) -> None:
+    missing = golden_copy / "tests/golden/llama-405b-pair/files/pi/settings.json"
+    content = missing.read_text()
+    missing.unlink()
+    stale = golden_copy / "inventory/host_vars/spark-z.yml"
+    stale.write_text("hy3spark_node: {}\n")
+    gone_case = golden_copy / "tests/golden/retired-example/files/pi/models.json"
+    gone_case.parent.mkdir(parents=True)
+    gone_case.write_text("{}\n")
+
+    code, out = _golden(golden_copy, "--accept")
+    assert code == 0
+    assert "--- /dev/null\n+++ b/tests/golden/llama-405b-pair/files/pi/settings.json\n" in out
+    assert "--- a/inventory/host_vars/spark-z.yml\n+++ /dev/null\n@@ -1 +0,0 @@\n-hy3spark_node: {}\n" in out
+    assert "3 file(s) differ: 0 changed, 1 new, 2 stale" in out
+    assert missing.read_text() == content
+    assert not stale.exists()
+    assert not (golden_copy / "tests/golden/retired-example").exists(), "emptied directories are removed too"
+    assert _golden(golden_copy, "--check")[0] == 0
+
+
+def test_golden_refuses_check_with_accept(golden_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        golden.main(["--check", "--accept"], root=golden_copy)
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
