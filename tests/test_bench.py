@@ -139,7 +139,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from make_model import make_model
 
     hub = tmp_path_factory.mktemp("hub")
-    make_model(hub, "test/tiny-bench", preset="small")
+    # gpt-oss-120b's shape: the double prints the KV lines of a vLLM 0.23.0 vector (gptoss-len100003-mnbt8192).
+    make_model(hub, "test/tiny-bench", preset="gpt-oss")
     name = f"{PREFIX}-head"
     subprocess.run(["docker", "rm", "-f", name], capture_output=True)
     run = subprocess.run(
@@ -147,7 +148,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
          "-e", "HF_HUB_CACHE=/hub", "-e", "HF_HUB_OFFLINE=1", "-e", "VLLM_API_KEY",
          "-e", f"VLLM_DOUBLE_TOKEN_DELAY_S={TOKEN_DELAY_S}", "-e", f"VLLM_DOUBLE_PREFILL_DELAY_S={PREFILL_DELAY_S}",
          image, "vllm", "serve", "test/tiny-bench", "--served-model-name", "tiny", "--host", "0.0.0.0", "--port",
-         "8000", "--max-model-len", "4096", "--max-num-seqs", "8"],
+         "8000", "--max-model-len", "100003", "--max-num-batched-tokens", "8192", "--kv-cache-memory-bytes", "30G",
+         "--max-num-seqs", "8"],
         capture_output=True, text=True, env=dict(os.environ, VLLM_API_KEY=KEY),
     )
     assert run.returncode == 0, run.stderr
