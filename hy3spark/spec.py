@@ -270,23 +270,44 @@ def _node_path(index: int) -> tuple[str | int, ...]:
     return ("head",) if index == 0 else ("workers", index - 1)
 
 
+def _address_key(value: str) -> str:
+    """The same address however it is written: an IP in canonical form, a host name in lower case without the
+    trailing dot of a fully qualified name."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return value.lower().rstrip(".")
+
+
 def _check_nodes(spec: Spec) -> list[Problem]:
     problems: list[Problem] = []
-    seen: dict[tuple[str, str], int] = {}
+    # (kind, value) -> the node and field that gave it first. Names are one namespace; every address a node answers
+    # on is another: fabric_ip, mgmt_ip (its own LAN address even when ssh_host is set) and ssh_host (what Ansible
+    # connects to). A node may give its own address twice (ssh_host equal to its mgmt_ip); two nodes never share one.
+    seen: dict[tuple[str, str], tuple[int, str]] = {}
     head_net = spec.head.fabric_ip.network
+    used = {n.fabric_ip.ip for n in spec.nodes}
+    free = (ip for ip in head_net.hosts() if ip not in used)  # one suggestion per duplicate, none twice
     for i, node in enumerate(spec.nodes):
         path = _node_path(i)
         keys = [("name", node.name), ("fabric_ip", str(node.fabric_ip.ip))]
-        if node.ssh_host or node.mgmt_ip:  # otherwise it is the fabric address, checked above
-            keys.append(("ssh_host" if node.ssh_host else "mgmt_ip", node.connect_host))
+        if node.mgmt_ip is not None:
+            keys.append(("mgmt_ip", str(node.mgmt_ip)))
+        if node.ssh_host:
+            keys.append(("ssh_host", node.ssh_host))
         for key, value in keys:
-            first = seen.setdefault((key if key == "name" else "address", value), i)
+            kind = "name" if key == "name" else "address"
+            first, first_key = seen.setdefault((kind, _address_key(value) if kind == "address" else value), (i, key))
             if first == i:
                 continue
-            if key == "fabric_ip" and first == 0:
-                msg = f"{value} is the head's address; each node needs its own"
+            fix = f"each node needs its own {key if key == first_key else kind}"
+            if key == "fabric_ip":
+                spare = next(free, None)
+                fix += f", for example {spare}/{head_net.prefixlen}" if spare else f"; {head_net} has no free address"
+            if key == first_key == "fabric_ip" and first == 0:
+                msg = f"{value} is the head's address; {fix}"
             else:
-                msg = f"{value!r} is already used by {format_path(_node_path(first))}; each node needs its own {key}"
+                msg = f"{value!r} is already used by {format_path((*_node_path(first), first_key))}; {fix}"
             problems.append(((*path, key), msg))
         if i > 0 and node.fabric_ip.ip not in head_net:
             problems.append(((*path, "fabric_ip"), f"{node.fabric_ip} is not in the head's fabric subnet {head_net}; "

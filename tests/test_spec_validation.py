@@ -188,3 +188,120 @@ def test_jinja_syntax_in_a_value(cli, tmp_path: Path) -> None:
     """Ansible templates every inventory string: a preview would not be what lands on the node."""
     assert_rejected(cli, tmp_path, BASE + "container:\n  env:\n    BANNER: '{{ not_a_var }}'\n",
                     "cluster.yml:16: container.env.BANNER: contains Jinja syntax")
+
+
+# --- duplicate names and addresses among all the nodes (issue 18) ---------------------------------------------------
+# Four nodes, so that duplicates past the first worker show: line 12 is workers[1].fabric_ip, line 15 workers[2]'s.
+FOUR = """\
+name: four
+profile: hy3-295b-nvfp4-tp2
+head:
+  name: spark-a
+  fabric_ip: 10.0.0.1/24
+  ssh_user: ops
+workers:
+  - name: spark-b
+    fabric_ip: 10.0.0.2/24
+    ssh_user: ops
+  - name: spark-c
+    fabric_ip: 10.0.0.3/24
+    ssh_user: ops
+  - name: spark-d
+    fabric_ip: 10.0.0.4/24
+    ssh_user: ops
+fabric:
+  interfaces: [enp1s0f1np1]
+  hcas: [rocep1s0f1, roceP2p1s0f1]
+serving:
+  tensor_parallel: 2
+  pipeline_parallel: 2
+"""
+
+
+def with_node_lines(text: str, node: str, *lines: str) -> str:
+    """`text` with `lines` added to the node named `node`, right after its name line."""
+    indent = "  " if node == "spark-a" else "    "
+    head, sep, rest = text.partition(f"name: {node}\n")
+    return head + sep + "".join(f"{indent}{line}\n" for line in lines) + rest
+
+
+def test_four_node_spec_is_valid(cli, tmp_path: Path) -> None:
+    result = cli("validate", str(write(tmp_path, FOUR)))
+    assert result.code == 0, result.err
+    assert "4 node(s), 4 GPU(s), vllm TP=2 PP=2" in result.out
+
+
+def test_two_workers_sharing_a_fabric_address(cli, tmp_path: Path) -> None:
+    err = assert_rejected(cli, tmp_path, FOUR.replace("10.0.0.3/24", "10.0.0.2/24"),
+                          "cluster.yml:12: workers[1].fabric_ip: '10.0.0.2' is already used by workers[0].fabric_ip; "
+                          "each node needs its own fabric_ip, for example 10.0.0.3/24")
+    assert err.count("\n") == 1, "one problem, on the second of the two"
+
+
+def test_a_duplicate_fabric_address_past_the_first_worker(cli, tmp_path: Path) -> None:
+    assert_rejected(cli, tmp_path, FOUR.replace("10.0.0.4/24", "10.0.0.3/24"),
+                    "cluster.yml:15: workers[2].fabric_ip: '10.0.0.3' is already used by workers[1].fabric_ip; "
+                    "each node needs its own fabric_ip, for example 10.0.0.4/24")
+
+
+def test_a_later_worker_with_the_heads_fabric_address(cli, tmp_path: Path) -> None:
+    assert_rejected(cli, tmp_path, FOUR.replace("10.0.0.4/24", "10.0.0.1/24"),
+                    "cluster.yml:15: workers[2].fabric_ip: 10.0.0.1 is the head's address; each node needs its own "
+                    "fabric_ip, for example 10.0.0.4/24")
+
+
+def test_every_duplicate_fabric_address_is_reported(cli, tmp_path: Path) -> None:
+    text = FOUR.replace("10.0.0.3/24", "10.0.0.2/24").replace("10.0.0.4/24", "10.0.0.2/24")
+    assert_rejected(cli, tmp_path, text, "2 problems in",
+                    "cluster.yml:12: workers[1].fabric_ip: '10.0.0.2' is already used by workers[0].fabric_ip; each "
+                    "node needs its own fabric_ip, for example 10.0.0.3/24",
+                    "cluster.yml:15: workers[2].fabric_ip: '10.0.0.2' is already used by workers[0].fabric_ip; each "
+                    "node needs its own fabric_ip, for example 10.0.0.4/24")
+
+
+@pytest.mark.parametrize(("name", "first"), [("spark-c", "workers[1].name"), ("spark-a", "head.name"),
+                                             ("spark-b", "workers[0].name")])
+def test_duplicate_node_names_past_the_first_worker(cli, tmp_path: Path, name: str, first: str) -> None:
+    assert_rejected(cli, tmp_path, FOUR.replace("name: spark-d", f"name: {name}"),
+                    f"cluster.yml:14: workers[2].name: '{name}' is already used by {first}; each node needs its own "
+                    "name")
+
+
+def test_duplicate_management_addresses_when_ssh_host_is_set(cli, tmp_path: Path) -> None:
+    """ssh_host is what Ansible connects to; the mgmt_ip beside it is still that machine's own LAN address."""
+    text = with_node_lines(FOUR, "spark-c", "mgmt_ip: 192.168.1.12", "ssh_host: spark-c.lan")
+    text = with_node_lines(text, "spark-d", "mgmt_ip: 192.168.1.12", "ssh_host: spark-d.lan")
+    assert_rejected(cli, tmp_path, text,
+                    "cluster.yml:17: workers[2].mgmt_ip: '192.168.1.12' is already used by workers[1].mgmt_ip; "
+                    "each node needs its own mgmt_ip")
+
+
+def test_duplicate_ssh_hosts_whatever_their_case(cli, tmp_path: Path) -> None:
+    text = with_node_lines(FOUR, "spark-b", "ssh_host: Spark-B.lan")
+    text = with_node_lines(text, "spark-d", "ssh_host: spark-b.lan.")
+    assert_rejected(cli, tmp_path, text,
+                    "cluster.yml:16: workers[2].ssh_host: 'spark-b.lan.' is already used by workers[0].ssh_host; "
+                    "each node needs its own ssh_host")
+
+
+def test_ssh_host_naming_another_nodes_management_address(cli, tmp_path: Path) -> None:
+    text = with_node_lines(FOUR, "spark-c", "mgmt_ip: 192.168.1.12", "ssh_host: spark-c.lan")
+    text = with_node_lines(text, "spark-d", "ssh_host: 192.168.1.12")
+    assert_rejected(cli, tmp_path, text,
+                    "cluster.yml:17: workers[2].ssh_host: '192.168.1.12' is already used by workers[1].mgmt_ip; "
+                    "each node needs its own address")
+
+
+def test_ssh_host_naming_another_nodes_fabric_address(cli, tmp_path: Path) -> None:
+    text = with_node_lines(FOUR, "spark-d", "ssh_host: 10.0.0.3")
+    assert_rejected(cli, tmp_path, text,
+                    "cluster.yml:15: workers[2].ssh_host: '10.0.0.3' is already used by workers[1].fabric_ip; "
+                    "each node needs its own address")
+
+
+def test_a_node_may_give_its_own_address_twice(cli, tmp_path: Path) -> None:
+    """ssh_host equal to the node's own mgmt_ip or fabric address is no duplicate."""
+    text = with_node_lines(FOUR, "spark-a", "mgmt_ip: 192.168.1.10", "ssh_host: 192.168.1.10")
+    text = with_node_lines(text, "spark-b", "ssh_host: 10.0.0.2")
+    result = cli("validate", str(write(tmp_path, text)))
+    assert result.code == 0, result.err
