@@ -470,7 +470,7 @@ def test_the_module_records_and_compares_in_a_playbook(node: Path) -> None:
     proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
                            "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"dir={node}",
                            "-e", f"inputs={INPUTS}", str(node / "play.yml")],
-                          env=env, capture_output=True, text=True, timeout=300, check=False)
+                          env=env, cwd=node, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads((node / "results.json").read_text())
     assert (r["no_record"]["in_sync"], r["no_record"]["differs"]) == (

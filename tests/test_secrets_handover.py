@@ -406,10 +406,10 @@ def test_a_playbook_run_stops_at_a_readable_file_naming_its_mode(tmp_path: Path,
         monkeypatch.delenv(name, raising=False)
     path = secrets_file(tmp_path, 0o644, monkeypatch, values)
     env = {**os.environ, "ANSIBLE_LOOKUP_PLUGINS": str(LOOKUPS), "ANSIBLE_NOCOLOR": "1"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible"), "localhost", "-c", "local",
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
                            "-e", f"ansible_python_interpreter={sys.executable}",
                            "-m", "ansible.builtin.debug", "-a", "msg={{ lookup('hy3spark_secret', 'HF_TOKEN') }}"],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert f"{path} is readable by others (mode 0644); it must be 0600" in proc.stdout + proc.stderr
     assert values["HF_TOKEN"] not in proc.stdout + proc.stderr
