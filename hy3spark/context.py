@@ -48,6 +48,9 @@ def _env_for(spec: Spec, node: Node) -> dict[str, str]:
     if spec.verify_transport:
         env["NCCL_DEBUG"] = "INFO"
         env["NCCL_DEBUG_SUBSYS"] = "INIT,NET,GRAPH,ENV"
+        # Ray folds lines that differ only in words with digits ("[repeated 2x across cluster]"): the other ranks'
+        # NCCL lines, host and transport included, would never reach the serve log the transport gate reads.
+        env["RAY_DEDUP_LOGS"] = "0"
     env.update(spec.container.env)
     return env
 

@@ -248,6 +248,24 @@ def _listing(channels: Sequence[Channel]) -> str:
     return "".join(shown) + (f"\n    ... and {more} more" if more > 0 else "")
 
 
+def _silent_ranks(report: TransportReport) -> list[str]:
+    """Per communicator, the ranks (of its nranks) that logged no init line: their channels went unseen."""
+    seen: dict[str, set[int]] = {}
+    size: dict[str, int] = {}
+    for rank in report.ranks:
+        seen.setdefault(rank.comm_id, set()).add(rank.rank)
+        size[rank.comm_id] = max(size.get(rank.comm_id, 0), rank.nranks)
+    silent = []
+    for comm_id, nranks in size.items():
+        missing = [r for r in range(nranks) if r not in seen[comm_id]]
+        if missing:
+            hosts = ", ".join(sorted({rank.hostname for rank in report.ranks if rank.comm_id == comm_id}))
+            listed = ", ".join(str(r) for r in missing)
+            silent.append(f"communicator {comm_id} has {nranks} ranks; rank(s) {listed} logged nothing (heard from: "
+                          f"{hosts})")
+    return silent
+
+
 def _socket_causes(report: TransportReport) -> list[str]:
     """Why NCCL may have fallen back to sockets: what the logs show first, then the usual causes."""
     causes = [f"the logs say: {line}" for line in report.evidence]
@@ -291,6 +309,14 @@ def gate(report: TransportReport, require_rdma: bool = True) -> GateResult:
             "(and NCCL_DEBUG_SUBSYS including INIT) and run at least one collective so NCCL connects"
         )
         return GateResult(passed=False, counts=counts, failures=tuple(failures))
+    silent = _silent_ranks(report)
+    if silent:
+        failures.append(
+            "some ranks logged no NCCL lines, so their transport is unknown: "
+            + "; ".join(silent)
+            + ". Every rank must run with NCCL_DEBUG=INFO, and its output must reach this log (under Ray, "
+            "RAY_DEDUP_LOGS=0: Ray folds lines that differ only in numbers into '[repeated Nx across cluster]')"
+        )
     sockets = [channel for channel in report.channels if channel.transport is Transport.SOCKET]
     if sockets:
         text = (

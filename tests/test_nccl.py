@@ -202,9 +202,10 @@ def _socket_lines(count: int, host: str = "spark-a", pid: int = 100) -> str:
 
 
 def _failure(report_logs: dict[str, str]) -> str:
+    """The gate's one NET/Socket failure (logs with a single rank's init line also fail for the silent rank)."""
     result = gate(parse_logs(report_logs))
     assert not result.passed
-    (failure,) = result.failures
+    (failure,) = [text for text in result.failures if "go over NET/Socket" in text]
     return failure
 
 
@@ -304,3 +305,28 @@ def test_reports_and_verdicts_are_read_only() -> None:
                       (report.ranks[0], "hostname")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, attr, None)
+
+
+# --- every rank must be heard from: Ray folds the other ranks' lines unless RAY_DEDUP_LOGS=0 -------------------------
+def test_a_rank_that_logged_nothing_fails_the_gate_even_when_the_rest_is_rdma() -> None:
+    # What the serve log of a two-node Ray deployment holds when Ray's log deduplication folded the worker's lines
+    # into the head's ("[repeated 2x across cluster]"): rank 0's lines only, all RDMA. The worker's transport is
+    # unknown, so the gate must not pass.
+    head = _constructed_rank("spark-a", 0, 100, {0: "NET/IB/0/GDRDMA", 1: "NET/IB/0/GDRDMA"})
+    result = gate(parse_logs({"serve.log": head}))
+    assert not result.passed
+    (failure,) = result.failures
+    assert failure.startswith("some ranks logged no NCCL lines, so their transport is unknown: communicator ")
+    assert "has 2 ranks; rank(s) 1 logged nothing (heard from: spark-a)" in failure
+    assert "RAY_DEDUP_LOGS=0" in failure
+
+
+def test_every_rank_heard_from_passes(fixtures: Path) -> None:
+    both = {"spark-a": _constructed_rank("spark-a", 0, 100, {0: "NET/IB/0/GDRDMA"}),
+            "spark-b": _constructed_rank("spark-b", 1, 200, {0: "NET/IB/0/GDRDMA"})}
+    assert gate(parse_logs(both)).passed
+    # The real two-rank logs, both files: every rank of every communicator logged its init line.
+    assert not any("logged nothing" in text for text in gate(parse_logs(_logs(fixtures, "default"))).failures)
+    # The same real run with rank 1's file missing: rank 1 of the real communicator is named.
+    only_rank0 = {k: v for k, v in _logs(fixtures, "default").items() if "rank0" in k}
+    assert any("rank(s) 1 logged nothing" in text for text in gate(parse_logs(only_rank0)).failures)
