@@ -22,6 +22,7 @@ from hy3spark.runner import (
     REPO_ROOT,
     Progress,
     RunResult,
+    ansible_envvars,
     environ_without,
     failure_summary,
     interruptible,
@@ -272,7 +273,7 @@ class ServeLog:
             r = ansible_runner.run(
                 private_data_dir=str(self.private), inventory=str(self.inventory), host_pattern=head,
                 module="ansible.builtin.shell", module_args=script, quiet=True,
-                envvars={"ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"), "LC_ALL": "C.UTF-8"},
+                envvars=ansible_envvars(),
                 rotate_artifacts=3, cancel_callback=stop.is_set,
             )
         if r.status == "canceled":

@@ -36,6 +36,21 @@ _REPORT_PREFIXES = ("Print ", "Report ")
 _MESSAGE_HEAD, _MESSAGE_TAIL = 2, 14  # a long failure message: its first lines say what, its last lines why
 
 
+def ansible_envvars() -> dict[str, str]:
+    """What every ansible-runner run of ours needs: the repo's config, roles and plugins, plain output, a UTF-8
+    locale (ansible refuses LC_ALL=C), and this interpreter's bin directory first on PATH, so that a `hy3spark` run
+    from a venv that was never activated still finds that venv's `ansible-playbook` and `ansible`."""
+    return {
+        "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
+        "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
+        "ANSIBLE_LOOKUP_PLUGINS": str(REPO_ROOT / "plugins" / "lookup"),
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_NOCOLOR": "1",
+        "LC_ALL": "C.UTF-8",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+
+
 @dataclass
 class Failure:
     host: str
@@ -295,16 +310,7 @@ def run_playbook(
 
     start = time.monotonic()
     with secrets_handover(secret_names) as handover, interruptible() as stop:
-        envvars = {
-            "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
-            "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
-            "ANSIBLE_LOOKUP_PLUGINS": str(REPO_ROOT / "plugins" / "lookup"),
-            "ANSIBLE_FORCE_COLOR": "0",
-            "ANSIBLE_NOCOLOR": "1",
-            "LC_ALL": "C.UTF-8",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            **handover,
-        }
+        envvars = {**ansible_envvars(), **handover}
         runner = ansible_runner.run(
             private_data_dir=str(private),
             project_dir=str(REPO_ROOT),
