@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import testinfra
+from scenario import ansible_node as node
 
 SCENARIO = Path(os.environ.get("MOLECULE_SCENARIO_DIRECTORY", Path(__file__).resolve().parents[1]))
 RENDERED = SCENARIO / ".rendered"
-INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
 
 PROTECT, STOP, LEAVE = "earlyoom-protect", "earlyoom-stop", "earlyoom-leave"
 CONFIG = "/etc/default/earlyoom"
@@ -32,10 +32,6 @@ COMM_LEN = 15
 # The inference processes by the names the issue names, and by the titles the engines really give them.
 INFERENCE = ("vllm", "ray", "python3")
 REAL_TITLES = ("VLLM::EngineCore", "ray::IDLE", "ray::RayWorkerWrapper")
-
-
-def node(name: str) -> testinfra.host.Host:
-    return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
 
 
 def running_argv(host: testinfra.host.Host) -> list[str]:

@@ -9,24 +9,18 @@ transfer counts below also prove that a run where everything already matches mov
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 
 import pytest
-import testinfra
+from scenario import ansible_node as node
 
-INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
 HEAD, W1, W2 = "image-head", "image-w1", "image-w2"
 NODES = (HEAD, W1, W2)
 FABRIC_IP = {HEAD: "10.94.0.10", W1: "10.94.0.11", W2: "10.94.0.12"}
 REF = "10.94.0.10:5000/hy3spark/engine:test"
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 MANIFEST_V2 = "application/vnd.docker.distribution.manifest.v2+json"
-
-
-def node(name: str) -> testinfra.host.Host:
-    return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
 
 
 def inspect(name: str, ref: str = REF) -> dict:

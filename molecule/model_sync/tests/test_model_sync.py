@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import testinfra
+from scenario import ansible_node as node
 
-INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
 HEAD, W1, W2 = "model-sync-head", "model-sync-w1", "model-sync-w2"
 WORKERS = (W1, W2)
 FABRIC_IP = {HEAD: "10.94.0.140", W1: "10.94.0.141", W2: "10.94.0.142"}
@@ -42,10 +41,6 @@ for name in sorted(os.listdir(sys.argv[1])):
                  "git_sha1": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(), "link": os.path.islink(p)}
 print(json.dumps(out))
 """
-
-
-def node(name: str) -> testinfra.host.Host:
-    return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
 
 
 def hub_manifest() -> dict:

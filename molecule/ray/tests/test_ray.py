@@ -9,55 +9,24 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
+import scenario
 import testinfra
+from scenario import RAY_NODES, REPO, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
-REPO = SCENARIO.parent.parent
-INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
 NODE, IP, CONTAINER, SERVED = "ray-single", "10.95.2.11", "gptoss-head", "gpt-oss-120b"
 API_KEY = os.environ.get("HY3SPARK_RAY_API_KEY", "")
 RENDERED = SCENARIO / ".rendered"
 
-RAY_NODES = (
-    "import json, ray\n"
-    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
-    "alive = [n for n in ray.nodes() if n['Alive']]\n"
-    "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
-)
-
 
 def node() -> testinfra.host.Host:
-    return testinfra.get_host(f"docker://{NODE}")
+    return scenario.node(NODE)
 
 
 def api(path: str, body: dict | None = None) -> tuple[int, dict]:
-    code = (
-        "import json, sys, urllib.request, urllib.error\n"
-        "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None,"
-        " headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + sys.argv[3]})\n"
-        "try:\n"
-        "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
-        "except urllib.error.HTTPError as e:\n"
-        "    print(e.code); print(e.read().decode() or '{}')\n"
-    )
-    out = node().run("python3 -c %s %s %s %s", code, f"http://127.0.0.1:8888{path}",
-                     json.dumps(body) if body else "", API_KEY)
-    assert out.rc == 0, out.stderr
-    status, _, text = out.stdout.partition("\n")
-    return int(status), json.loads(text or "{}")
-
-
-def playbook(*args: str) -> subprocess.CompletedProcess:
-    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
-    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-
-
-def changed(output: str) -> dict[str, int]:
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.M)}
+    return scenario.api(NODE, path, body, API_KEY)
 
 
 def test_ray_reports_one_node_and_one_gpu() -> None:
@@ -129,4 +98,4 @@ def test_teardown_leaves_nothing_of_ours() -> None:
     assert node().check_output("docker ps -aq --filter label=io.hy3spark.cluster").strip() == ""
     assert node().file("/var/lib/hy3spark/hub").is_directory
     again = playbook(str(REPO / "playbooks/teardown.yml"))
-    assert again.returncode == 0 and changed(again.stdout) == {NODE: 0}, again.stdout
+    assert again.returncode == 0 and recap(again.stdout) == {NODE: 0}, again.stdout

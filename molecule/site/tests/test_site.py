@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import testinfra
+import scenario
+from scenario import RAY_NODES, REPO, flat, node, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
-REPO = SCENARIO.parent.parent
-INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
 HEAD, WORKER = "site-head", "site-worker"
 NODES = (HEAD, WORKER)
 FABRIC_IP = {HEAD: "10.95.0.11", WORKER: "10.95.0.12"}
@@ -34,40 +33,13 @@ SERVE_LOG = "/var/log/hy3spark/serve.log"
 MODEL_SNAPSHOT = ("/var/lib/hy3spark/hub/models--kodelow--Hy3-NVFP4-W4A16/snapshots/"
                   "5173a1f0c0ffee5173a1f0c0ffee5173a1f0c0ff")
 
-RAY_NODES = (
-    "import json, ray\n"
-    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
-    "alive = [n for n in ray.nodes() if n['Alive']]\n"
-    "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
-)
-
-
-def node(name: str) -> testinfra.host.Host:
-    """The node container itself (docker exec: much faster than testinfra's ansible backend)."""
-    return testinfra.get_host(f"docker://{name}")
-
 
 def inspect(name: str) -> dict:
     return json.loads(node(name).check_output(f"docker inspect {CONTAINER[name]}"))[0]
 
 
 def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, dict]:
-    """Call the endpoint from the head node (loopback), as the role's own readiness check does."""
-    code = (
-        "import json, sys, urllib.request, urllib.error\n"
-        "auth = {'Authorization': 'Bearer ' + sys.argv[3]} if sys.argv[3] else {}\n"
-        "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None,"
-        " headers={'Content-Type': 'application/json', **auth})\n"
-        "try:\n"
-        "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
-        "except urllib.error.HTTPError as e:\n"
-        "    print(e.code); print(e.read().decode() or '{}')\n"
-    )
-    out = node(HEAD).run("python3 -c %s %s %s %s", code, f"http://127.0.0.1:8888{path}",
-                         json.dumps(body) if body else "", key or "")
-    assert out.rc == 0, out.stderr
-    status, _, text = out.stdout.partition("\n")
-    return int(status), json.loads(text or "{}")
+    return scenario.api(HEAD, path, body, key or "")
 
 
 def run_record() -> dict:
@@ -85,17 +57,6 @@ def engine_pids() -> list[int]:
         "        print(p)\n"
     )
     return [int(p) for p in node(HEAD).check_output("docker exec %s python3 -c %s", CONTAINER[HEAD], code).split()]
-
-
-def playbook(*args: str) -> subprocess.CompletedProcess:
-    """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env)."""
-    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
-    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
-
-
-def recap_changed(output: str) -> dict[str, int]:
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.M)}
 
 
 # --- the serving cluster, as converge and idempotence left it -------------------------------------------------------
@@ -251,15 +212,6 @@ def test_idempotent_run_left_the_engine_and_containers_alone() -> None:
 # --- re-runs: in sync, forced, and after a hand edit -----------------------------------------------------------------
 
 
-def recap_ok(output: str) -> dict[str, int]:
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+: ok=(\d+)\s+changed=", output, re.M)}
-
-
-def flat(output: str) -> str:
-    """The output with YAML-callback line folding undone."""
-    return " ".join(output.split())
-
-
 def test_deployment_record_is_private_and_holds_no_secret() -> None:
     for name in NODES:
         record = node(name).file(DRIFT_RECORD)
@@ -275,9 +227,9 @@ def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "Every node matches its last complete run" in flat(out), out
-    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    assert recap(out) == {HEAD: 0, WORKER: 0}, out
     # The drift check and the completion only: no role task ran (each would add to ok=).
-    assert all(ok <= 10 for ok in recap_ok(out).values()), out
+    assert all(ok <= 10 for ok in recap(out, "ok").values()), out
     assert f"{SERVED} answered: " in out, out
     assert API_KEY not in out
 
@@ -287,8 +239,8 @@ def test_forced_full_run_changes_and_restarts_nothing() -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "drift_full_run is set: every role runs." in flat(out), out
-    assert all(ok > 50 for ok in recap_ok(out).values()), out
-    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    assert all(ok > 50 for ok in recap(out, "ok").values()), out
+    assert recap(out) == {HEAD: 0, WORKER: 0}, out
     test_idempotent_run_left_the_engine_and_containers_alone()
 
 
@@ -299,8 +251,8 @@ def test_check_mode_of_every_role_on_a_healthy_cluster() -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "drift_full_run is set: every role runs." in flat(out), out
-    assert all(ok > 50 for ok in recap_ok(out).values()), out
-    assert recap_changed(out) == {HEAD: 0, WORKER: 0}, out
+    assert all(ok > 50 for ok in recap(out, "ok").values()), out
+    assert recap(out) == {HEAD: 0, WORKER: 0}, out
     assert API_KEY not in out
     test_idempotent_run_left_the_engine_and_containers_alone()
 
@@ -313,7 +265,7 @@ def test_hand_edit_on_one_node_runs_the_roles_and_is_repaired() -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert f"{HEAD}: matches; {WORKER}: files {earlyoom}" in flat(out), out
-    changed = recap_changed(out)
+    changed = recap(out)
     assert changed[HEAD] == 0 and changed[WORKER] > 0, out
     assert node(WORKER).file(earlyoom).content_string == before
     test_idempotent_run_left_the_engine_and_containers_alone()
@@ -422,4 +374,4 @@ def test_teardown_removes_every_container_of_ours_and_keeps_the_model() -> None:
         assert f"inet {FABRIC_IP[name]}/24" in node(name).check_output("ip -o -4 addr show dev eth1")
     again = playbook(str(REPO / "playbooks/teardown.yml"))
     assert again.returncode == 0, again.stdout + again.stderr
-    assert recap_changed(again.stdout) == {HEAD: 0, WORKER: 0}, again.stdout
+    assert recap(again.stdout) == {HEAD: 0, WORKER: 0}, again.stdout

@@ -1,0 +1,78 @@
+"""What the Molecule scenarios' verifier tests share: reaching a node, calling the endpoint, re-running playbooks
+against the live nodes, and reading a play recap. `molecule/conftest.py` puts this folder on sys.path, so a
+scenario's tests say `from scenario import node, playbook`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import testinfra
+
+REPO = Path(__file__).resolve().parent.parent
+# Molecule's inventory of the scenario being verified (its directory holds hosts, group_vars and host_vars links).
+INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
+API_PORT = 8888  # serving.port of every scenario spec that serves
+
+# Run inside a Ray container: the live nodes and their GPUs as [[address, gpus], ...] on the last line.
+RAY_NODES = (
+    "import json, ray\n"
+    "ray.init(address='auto', logging_level='ERROR', log_to_driver=False)\n"
+    "alive = [n for n in ray.nodes() if n['Alive']]\n"
+    "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
+)
+
+_CALL = (
+    "import json, sys, urllib.request, urllib.error\n"
+    "auth = {'Authorization': 'Bearer ' + sys.argv[3]} if sys.argv[3] else {}\n"
+    "req = urllib.request.Request(sys.argv[1], data=sys.argv[2].encode() or None,"
+    " headers={'Content-Type': 'application/json', **auth})\n"
+    "try:\n"
+    "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
+    "except urllib.error.HTTPError as e:\n"
+    "    print(e.code); print(e.read().decode() or '{}')\n"
+)
+
+
+def node(name: str) -> testinfra.host.Host:
+    """The node container itself (docker exec: much faster than testinfra's ansible backend)."""
+    return testinfra.get_host(f"docker://{name}")
+
+
+def ansible_node(name: str) -> testinfra.host.Host:
+    """The node as Ansible reaches it (the scenario's inventory: its user, become and connection settings)."""
+    return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
+
+
+def api(host: str, path: str, body: dict | None = None, key: str = "") -> tuple[int, dict]:
+    """Call the endpoint from `host` over its loopback, as the serving role's own readiness check does: (status,
+    JSON body). `key` empty sends no Authorization header."""
+    out = node(host).run("python3 -c %s %s %s %s", _CALL, f"http://127.0.0.1:{API_PORT}{path}",
+                         json.dumps(body) if body else "", key)
+    assert out.rc == 0, out.stderr
+    status, _, text = out.stdout.partition("\n")
+    return int(status), json.loads(text or "{}")
+
+
+def playbook(*args: str) -> subprocess.CompletedProcess:
+    """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env)."""
+    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+
+def recap(output: str, field: str = "changed") -> dict[str, int]:
+    """One count of the PLAY RECAP per host (`ok`, `changed`, `failed`, ...) of the LAST recap in `output`."""
+    counts: dict[str, int] = {}
+    for match in re.finditer(rf"^(\S+)\s+: .*?\b{field}=(\d+)", output, re.M):
+        counts[match.group(1)] = int(match.group(2))
+    return counts
+
+
+def flat(output: str) -> str:
+    """The output with the YAML callback's line folding undone."""
+    return " ".join(output.split())
