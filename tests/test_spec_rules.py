@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from hy3spark.errors import SpecError
 from hy3spark.spec import (
@@ -104,13 +105,13 @@ def test_a_second_worker_with_the_first_workers_name_is_named_by_its_own_path() 
     workers = [node("spark-b", "10.0.0.2/24"), node("spark-b", "10.0.0.3/24")]
     text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 3})
     assert only_problem(text).endswith(
-        "workers[1].name: 'spark-b' is already used by workers[0]; each node needs its own name")
+        "workers[1].name: 'spark-b' is already used by workers[0].name; each node needs its own name")
 
 
 def test_ssh_host_equal_to_another_nodes_fabric_address_is_refused() -> None:
     text = spec_text(workers=[node("spark-b", "10.0.0.2/24", ssh_host="10.0.0.1")])
     assert only_problem(text).endswith(
-        "workers[0].ssh_host: '10.0.0.1' is already used by head; each node needs its own ssh_host")
+        "workers[0].ssh_host: '10.0.0.1' is already used by head.fabric_ip; each node needs its own address")
 
 
 def test_different_names_and_addresses_do_not_collide() -> None:
@@ -381,7 +382,8 @@ def test_several_problems_are_all_reported_with_their_lines() -> None:
         parse_spec(text, "cluster.yml")
     worker_line = [i for i, line in enumerate(text.splitlines(), 1) if "10.0.0.1/24" in line][1]  # after the head's
     assert caught.value.problems == [
-        f"cluster.yml:{worker_line}: workers[0].fabric_ip: 10.0.0.1 is the head's address; each node needs its own",
+        f"cluster.yml:{worker_line}: workers[0].fabric_ip: 10.0.0.1 is the head's address; each node needs its own "
+        "fabric_ip, for example 10.0.0.2/24",
         f"{at(text, 'max_model_len')} serving.max_model_len: 5000 is above the model's context of 4096 tokens; use "
         "at most 4096",
     ]
@@ -471,13 +473,6 @@ def test_a_secret_check_goes_on_after_a_reference_left_out() -> None:
         "serving.api_key_env: 'my key' is not an environment variable name (for example VLLM_API_KEY)")
 
 
-def test_a_second_worker_with_the_first_workers_fabric_address() -> None:
-    workers = [node("spark-b", "10.0.0.2/24"), node("spark-c", "10.0.0.2/24")]
-    text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 3})
-    assert only_problem(text).endswith(
-        "workers[1].fabric_ip: '10.0.0.2' is already used by workers[0]; each node needs its own fabric_ip")
-
-
 @pytest.mark.parametrize("prefix", [16, 25])
 def test_a_worker_inside_the_heads_subnet_with_a_shorter_or_longer_prefix(prefix: int) -> None:
     assert only_problem(spec_text(workers=[node("spark-b", f"10.0.0.2/{prefix}")])).endswith(
@@ -496,7 +491,8 @@ def test_malformed_yaml_further_down_reports_its_line() -> None:
     found = only_problem(text)
     assert found.startswith("cluster.yml:") and "malformed YAML" in found
     text = "name: x\nhead:\n  name: a\n  fabric_ip: 10.0.0.1/24\n bad: indent\n"
-    assert only_problem(text).startswith("cluster.yml:5: malformed YAML: ")
+    assert only_problem(text) == ("cluster.yml:5: malformed YAML: expected <block end>, but found "
+                                  "'<block mapping start>'")
 
 
 def test_yaml_that_parses_but_cannot_be_built_is_malformed_too() -> None:
@@ -543,6 +539,7 @@ def test_the_defaults_a_user_gets_by_leaving_fields_out() -> None:
     assert (spec.container.gpus, spec.container.name_prefix) == (True, "hy3spark")
     assert (spec.earlyoom.policy, spec.earlyoom.mem_percent, spec.earlyoom.swap_percent) == ("protect", 4, 100)
     assert (spec.pi.reasoning, spec.pi.max_tokens) == (True, 32768)
+    assert (s.enable_auto_tool_choice, s.trust_remote_code, s.enforce_eager, s.open_endpoint) == (False,) * 4
     assert spec.hardware.total_memory_gib == 121.69
     assert spec.model.token_env == "HF_TOKEN"
 
@@ -646,3 +643,47 @@ def test_empty_interfaces_and_revision_are_refused() -> None:
     assert only_problem(spec_text(model={"revision": ""})).endswith(
         "model.revision: '': String should have at least 1 character")
     assert parse_spec(spec_text(model={"revision": "x"}), "c").spec.model.revision == "x"
+
+
+def test_a_loaded_spec_cannot_be_changed_by_the_code_that_renders_from_it() -> None:
+    spec = parse_spec(spec_text(), "c").spec
+    for obj, attr in ((spec, "name"), (spec.serving, "port"), (spec.head, "fabric_ip")):
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(obj, attr, None)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_dtype_bytes_of_real_dtypes_are_accepted(size: int) -> None:
+    _accepts(("model", "arch", "dtype_bytes"), size)
+
+
+def test_dtype_bytes_of_three_is_refused() -> None:
+    assert only_problem(spec_text(model={"arch": {"dtype_bytes": 3}})).endswith(
+        "model.arch.dtype_bytes: 3: Input should be 1, 2 or 4")
+
+
+def test_a_problem_of_the_third_worker_names_it() -> None:
+    workers = [node("spark-b", "10.0.0.2/24"), node("spark-c", "10.0.0.3/24"), node("spark-d", "10.0.0.3/24")]
+    text = spec_text(workers=workers, serving={"tensor_parallel": 1, "pipeline_parallel": 4})
+    assert "workers[2].fabric_ip: '10.0.0.3' is already used by workers[1].fabric_ip; " in only_problem(text)
+
+
+def test_a_worker_user_that_sorts_after_the_heads_is_refused_too() -> None:
+    assert only_problem(spec_text(workers=[node("spark-b", "10.0.0.2/24", ssh_user="zed")])).endswith(
+        "workers[0].ssh_user: 'zed' differs from head.ssh_user 'ops'; the head streams the image and model to workers "
+        "as its own user, so use one user on every node")
+
+
+def test_no_hca_listed_is_not_the_one_twin_warning() -> None:
+    assert parse_spec(spec_text(fabric={"hcas": []}), "c").warnings == []
+    text = spec_text(fabric={"hcas": ["rocep1s0f1"]})
+    assert parse_spec(text, "c").warnings == [
+        f"{at(text, 'hcas:', 'c')} fabric.hcas: only one RoCE device listed; a cabled Spark port has two twins (e.g. "
+        "rocep1s0f1,roceP2p1s0f1) and NCCL runs at about half speed on one"]
+
+
+def test_load_spec_of_a_missing_file_says_it_cannot_read_it(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yml"
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert caught.value.problems == [f"{path}: cannot read the spec: No such file or directory"]
