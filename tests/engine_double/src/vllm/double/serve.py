@@ -57,18 +57,31 @@ def fail(exc: BaseException) -> int:
 
 
 def validate_serve_args(args: argparse.Namespace) -> None:
-    """vllm/entrypoints/openai/cli_args.py validate_parsed_serve_args + the parser registries."""
-    from vllm.reasoning import get_reasoning_parser
-    from vllm.tool_parsers import get_tool_parser
+    """The two checks `vllm serve` runs on the parsed namespace, in vLLM 0.23's order, against the parser names vLLM
+    registers (from the option table, vllm/double/serve_args.json): validate_parsed_serve_args
+    (--enable-auto-tool-choice needs a tool-call parser), then validate_api_server_args (with
+    --enable-auto-tool-choice the tool-call parser must be registered; a reasoning parser named in
+    --structured-outputs-config must be). As in vLLM, an unknown --tool-call-parser without --enable-auto-tool-choice
+    and an unknown --reasoning-parser pass here (the recorded probes show both). Then what the double refuses."""
+    from vllm.double.args import reasoning_parsers, tool_call_parsers
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise TypeError("Error: --enable-auto-tool-choice requires --tool-call-parser")
-    if args.tool_call_parser:
-        get_tool_parser(args.tool_call_parser)
-    if args.reasoning_parser:
-        get_reasoning_parser(args.reasoning_parser)
+    tools = tool_call_parsers()
+    if args.enable_auto_tool_choice and args.tool_call_parser not in tools:
+        raise KeyError(f"invalid tool call parser: {args.tool_call_parser} (chose from {{ {','.join(tools)} }})")
+    structured = args.structured_outputs_config  # a dict when given (vLLM: a StructuredOutputsConfig)
+    reasoning = structured.get("reasoning_parser") if isinstance(structured, dict) else None
+    if reasoning and reasoning not in reasoning_parsers():
+        raise KeyError(f"invalid reasoning parser: {reasoning} (chose from {{ {','.join(reasoning_parsers())} }})")
     if args.data_parallel_size != 1:
         raise ValueError("hy3spark TEST DOUBLE: --data-parallel-size other than 1 is not doubled")
+    # vLLM's parser takes any string here; its ParallelConfig refuses other names when the engine is configured.
+    if args.distributed_executor_backend not in (None, "ray", "mp", "uni", "external_launcher"):
+        raise ValueError(
+            f"hy3spark TEST DOUBLE: --distributed-executor-backend {args.distributed_executor_backend} is none of "
+            "vLLM 0.23's executor backends (ray, mp, uni, external_launcher), which vLLM's ParallelConfig refuses"
+        )
 
 
 def model_checks(args: argparse.Namespace, model: Model) -> int:
