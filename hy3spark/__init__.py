@@ -1,3 +1,8 @@
 """hy3spark: turn two or more NVIDIA DGX Sparks into one LLM endpoint, from one cluster spec."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("hy3spark")  # pyproject.toml's, the one place the version is written
+except PackageNotFoundError:  # the source tree on sys.path with no install: there is no metadata to read
+    __version__ = "0+unknown"

@@ -29,10 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hy3spark import content
 from hy3spark.errors import Hy3SparkError
-from hy3spark.runner import REPO_ROOT
 
-DEFAULT_VENV = REPO_ROOT / ".cache" / "bench-venv"
 TOKENIZER_DIR = "hy3spark-tokenizer"
 # guidellm reads its settings, the scenario's included, from GUIDELLM__* variables: the key travels in the child's
 # environment (readable only by this user), never on a command line nor in a file.
@@ -164,10 +163,11 @@ def probe(target: str, api_key: str | None, key_env: str | None, engine_hint: st
 
 # --- guidellm ------------------------------------------------------------------------------------------------------
 def bench_venv() -> Path:
-    venv = Path(os.environ.get("HY3SPARK_BENCH_VENV") or DEFAULT_VENV)
+    venv = Path(os.environ.get("HY3SPARK_BENCH_VENV") or content.default_bench_venv())
     if not (venv / "bin" / "guidellm").exists():
-        raise Hy3SparkError(f"guidellm is not installed in {venv}: run scripts/bench-venv (once; it installs "
-                            "guidellm and a CPU torch in their own venv)")
+        raise Hy3SparkError(f"guidellm is not installed in {venv}: run scripts/bench-venv (once, from a checkout; "
+                            "it installs guidellm and a CPU torch in their own venv), or point HY3SPARK_BENCH_VENV "
+                            "at a venv that has guidellm")
     return venv
 
 

@@ -9,7 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from hy3spark import __version__
 from hy3spark.errors import EXIT_FAILED, EXIT_OK, Hy3SparkError
 
 EPILOG = """\
@@ -17,6 +16,22 @@ exit codes: 0 ok; 1 a check, gate or task failed; 2 bad command-line usage; 3 in
             4 a host was unreachable; 130 interrupted (Ctrl+C).
 SPEC defaults to the embedded two-Spark Hy3 spec (the recipe's 10.0.0.1 / 10.0.0.2 pair on enp1s0f1np1).
 """
+RUNS_DIR_HELP = ("where run records, artifacts and the lab notebook go (default: runs/ in a checkout, else "
+                 "$XDG_STATE_HOME/hy3spark, ~/.local/state/hy3spark: XDG state, not data, as they are this "
+                 "machine's history of runs, not documents to carry elsewhere)")
+
+
+class _VersionAction(argparse.Action):
+    """--version, answered only when asked: it looks for the content, which no other option needs to do."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        from hy3spark import content
+
+        print(content.version_text())
+        parser.exit()
 
 
 def _spec_arg(p: argparse.ArgumentParser) -> None:
@@ -31,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"hy3spark {__version__}")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print hy3spark's version and its Ansible content's (and where that is), and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("render", help="preview or write every file derived from the spec",
@@ -87,8 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tags", metavar="TAGS", help="only these roles' tags (comma-separated)")
         p.add_argument("--limit", metavar="HOSTS", help="only these hosts, as ansible-playbook --limit")
         p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
-        p.add_argument("--runs-dir", type=Path, metavar="DIR",
-                       help="where run records, artifacts and the lab notebook go (default: ./runs in the repo)")
+        p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("up", help="deploy: run site.yml through ansible-runner, then record the run",
                        description="Render the spec's inventory, run site.yml (preflight, network, earlyoom, image + "
@@ -151,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processor", metavar="DIR",
                    help="tokenizer for guidellm's prompts (default: a small offline one; the counts reported "
                         "come from the server)")
-    p.add_argument("--labbook", type=Path, metavar="PATH", help="lab notebook (default: runs/labbook.md)")
-    p.add_argument("--runs-dir", type=Path, metavar="DIR", help="where reports go (default: ./runs in the repo)")
+    p.add_argument("--labbook", type=Path, metavar="PATH", help="lab notebook (default: labbook.md in the runs dir)")
+    p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     p.set_defaults(func=cmd_bench)
 
@@ -278,9 +293,9 @@ def cmd_transport(args: argparse.Namespace) -> int:
 
 
 def _runs_dir(args: argparse.Namespace) -> Path:
-    from hy3spark.operate import DEFAULT_RUNS_DIR
+    from hy3spark import content
 
-    return (args.runs_dir or DEFAULT_RUNS_DIR).resolve()
+    return (args.runs_dir or content.default_runs_dir()).resolve()
 
 
 def _full_run(args: argparse.Namespace) -> dict[str, bool] | None:

@@ -1,4 +1,4 @@
-"""The operator's commands: up, down, check, status, logs. Each runs the repo's playbooks through ansible-runner,
+"""The operator's commands: up, down, check, status, logs. Each runs hy3spark's playbooks through ansible-runner,
 on an inventory rendered fresh from the spec for that run, so the CLI and `ansible-playbook site.yml` share one
 implementation: the roles.
 """
@@ -19,7 +19,6 @@ from hy3spark import render
 from hy3spark.context import SERVE_LOG
 from hy3spark.errors import EXIT_OK, Hy3SparkError
 from hy3spark.runner import (
-    REPO_ROOT,
     Progress,
     RunResult,
     ansible_envvars,
@@ -31,7 +30,6 @@ from hy3spark.runner import (
 )
 from hy3spark.spec import Loaded
 
-DEFAULT_RUNS_DIR = REPO_ROOT / "runs"
 # The line templates/serve.sh.j2 writes to the serve log each time the engine starts. The log is appended to, so
 # what describes the engine now (its KV lines, its NCCL channels) is what follows the last such line.
 ENGINE_START = "hy3spark: starting "

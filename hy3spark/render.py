@@ -20,12 +20,11 @@ from typing import Any
 import yaml
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from hy3spark import content
 from hy3spark.context import build_context
 from hy3spark.errors import Hy3SparkError
 from hy3spark.spec import Loaded
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = REPO_ROOT / "templates"
 MANIFEST = ".hy3spark-render.json"
 
 
@@ -47,10 +46,8 @@ def to_nice_yaml(data: Any, indent: int = 4) -> str:
 
 
 def environment() -> Environment:
-    if not TEMPLATES.is_dir():
-        raise Hy3SparkError(f"templates not found at {TEMPLATES}: run hy3spark from a checkout (pip install -e .)")
     env = Environment(
-        loader=FileSystemLoader(str(TEMPLATES)),
+        loader=FileSystemLoader(str(content.path("templates"))),
         undefined=StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=False,

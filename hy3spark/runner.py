@@ -1,4 +1,4 @@
-"""Run the repo's playbooks through ansible-runner: progress, one-screen failure summaries, no secret on disk.
+"""Run hy3spark's playbooks through ansible-runner: progress, one-screen failure summaries, no secret on disk.
 
 Secrets: ansible-runner copies the child's whole environment into `artifacts/<id>/command` (and `env/envvars` if
 given). So for the length of a run the secret variables the spec names are taken OUT of this process's
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hy3spark import content
 from hy3spark.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, Hy3SparkError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 EXIT_INTERRUPTED = 130  # what a shell reports for Ctrl+C; hy3spark.cli.main returns the same
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours the lines it forwards from workers
 # A report task: `debug` whose name starts so (the preflight table, teardown's memory lines).
@@ -37,13 +37,15 @@ _MESSAGE_HEAD, _MESSAGE_TAIL = 2, 14  # a long failure message: its first lines 
 
 
 def ansible_envvars() -> dict[str, str]:
-    """What every ansible-runner run of ours needs: the repo's config, roles and plugins, plain output, a UTF-8
-    locale (ansible refuses LC_ALL=C), and this interpreter's bin directory first on PATH, so that a `hy3spark` run
-    from a venv that was never activated still finds that venv's `ansible-playbook` and `ansible`."""
+    """What every ansible-runner run of ours needs: hy3spark's config, roles and plugins (from the wheel or the
+    checkout, hy3spark.content says which; named here too, so that a user's ANSIBLE_ROLES_PATH cannot swap our roles
+    for others), plain output, a UTF-8 locale (ansible refuses LC_ALL=C), and this interpreter's bin directory first
+    on PATH, so that a `hy3spark` run from a venv that was never activated still finds that venv's
+    `ansible-playbook` and `ansible`."""
     return {
-        "ANSIBLE_CONFIG": str(REPO_ROOT / "ansible.cfg"),
-        "ANSIBLE_ROLES_PATH": str(REPO_ROOT / "roles"),
-        "ANSIBLE_LOOKUP_PLUGINS": str(REPO_ROOT / "plugins" / "lookup"),
+        "ANSIBLE_CONFIG": str(content.path("ansible.cfg")),
+        "ANSIBLE_ROLES_PATH": str(content.path("roles")),
+        "ANSIBLE_LOOKUP_PLUGINS": str(content.path("plugins", "lookup")),
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_NOCOLOR": "1",
         "LC_ALL": "C.UTF-8",
@@ -313,8 +315,8 @@ def run_playbook(
         envvars = {**ansible_envvars(), **handover}
         runner = ansible_runner.run(
             private_data_dir=str(private),
-            project_dir=str(REPO_ROOT),
-            playbook=str(REPO_ROOT / playbook),
+            project_dir=str(content.root()),
+            playbook=str(content.path(playbook)),
             inventory=str(inventory),
             envvars=envvars,
             extravars=extravars or {},
