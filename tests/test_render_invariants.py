@@ -311,8 +311,9 @@ def test_the_cases_cover_what_the_invariants_branch_on() -> None:
 
 
 def test_the_engine_receives_its_secrets_as_vllm_api_key_and_hf_token() -> None:
-    """The oracle below reads the role's secrets file: make sure it reads the names that file really writes."""
-    assert engine_secret_names() == {"VLLM_API_KEY", "HF_TOKEN"}
+    """The oracle below reads the role's secrets file: make sure it finds the names that file really writes (a
+    secret added there later, a Ray token say, is then required in the non-carry-over list without a test edit)."""
+    assert engine_secret_names() >= {"VLLM_API_KEY", "HF_TOKEN"}
 
 
 @pytest.mark.parametrize("name", NAMES)
