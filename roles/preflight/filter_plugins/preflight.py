@@ -437,17 +437,23 @@ def _b64(slurp: Mapping[str, Any] | None) -> str | None:
 
 
 def _file_args(text: str) -> list[str] | None:
-    """EARLYOOM_ARGS as earlyoom receives it: EnvironmentFile drops the outer quotes, then systemd splits $VAR
-    at whitespace and removes quotes (as a shell would), so --prefer '(a|b)' arrives as (a|b)."""
+    """EARLYOOM_ARGS as earlyoom receives it: EnvironmentFile drops the outer quotes of a quoted value and keeps an
+    unquoted one whole (EARLYOOM_ARGS=-m 3 -s 10 is all three options), then systemd splits $VAR at whitespace and
+    removes quotes (as a shell would), so --prefer '(a|b)' arrives as (a|b)."""
     value = None
     for line in text.splitlines():
         m = re.match(r"^\s*(?:export\s+)?EARLYOOM_ARGS=(.*)$", line)
-        if m:
-            try:
-                parts = shlex.split(m.group(1), comments=True)
-            except ValueError:
-                parts = [m.group(1)]
-            value = parts[0] if parts else ""
+        if not m:
+            continue
+        raw = m.group(1).strip()
+        if raw[:1] not in ("'", '"'):
+            value = raw
+            continue
+        try:
+            parts = shlex.split(raw, comments=True)
+        except ValueError:
+            parts = [raw]
+        value = parts[0] if parts else ""
     if value is None:
         return None
     try:
