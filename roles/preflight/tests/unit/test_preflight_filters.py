@@ -4,8 +4,11 @@ registers them. Run: pytest roles/preflight/tests/unit"""
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib.util
 import json
+import random
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -554,6 +557,7 @@ def test_disk_sizes_are_human():
     assert [pf._human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20, 5 * 2**30, 3 * 2**40, -2048)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.0 GiB", "3.0 TiB", "-2.0 KiB"]
     assert pf._human_bytes(1023 * 2**30) == "1023.0 GiB"
+    assert pf._human_bytes(1000 * 2**40) == "1000.0 TiB"
 
 
 def test_disk_at_the_cache_dir_itself_on_a_mount_with_spaces():
@@ -669,7 +673,10 @@ def test_table_columns_are_as_wide_as_their_longest_cell_up_to_the_cap():
 
 def test_hca_netdevs_from_sysfs_ignore_other_paths_and_sort():
     files = find(("rocep1s0f1", "eth9"), ("rocep1s0f1", "eth1"), extra_hcas=("mlx5_0",))
-    files["files"] += [{"path": "/elsewhere/class/infiniband/x"}, {"path": f"{ROOT}/class/infiniband/y/ports/1"}]
+    # Stray paths first: they are skipped, and what follows them still counts.
+    stray = ["/elsewhere/class/infiniband/x", f"{ROOT}/class/infiniband/y/ports/1",
+             f"{ROOT}/class/infiniband/rocep1s0f1/ports/1/state", f"{ROOT}/class/infiniband/rocep1s0f1/board/net/x0"]
+    files["files"] = [{"path": path} for path in stray] + files["files"]
     assert pf.hca_netdevs(files, {"skipped": True}, ROOT + "/") == {"rocep1s0f1": ["eth1", "eth9"], "mlx5_0": []}
     ibdev = {"rc": 0, "stdout": "rocep1s0f1 port 1 ==> eth1 (Up)\nnoise\nrocep1s0f1 port 2 ==> eth2 (Down)\n"}
     assert pf.hca_netdevs(files, ibdev, ROOT) == {"rocep1s0f1": ["eth1", "eth2"]}
@@ -723,7 +730,7 @@ def test_hca_without_port_names_is_judged_by_netdev_only():
 
 
 def test_hca_without_netdev_and_a_missing_one():
-    rows = pf.hca(EXISTS, find(extra_hcas=("h1",)), {"skipped": True}, attrs({}, {}), "n", ["h1", "h9"], ["eth1"],
+    rows = pf.hca(EXISTS, find(extra_hcas=("h1",)), {"skipped": True}, attrs({}, {}), "n", ["h9", "h1"], ["eth1"],
                   ROOT)
     lone = by(rows, "hca", "h1")
     assert (lone["status"], lone["found"]) == ("fail", "h1 -> no netdev [sysfs root /srv/sim]")
@@ -826,3 +833,186 @@ def test_earlyoom_running_without_a_file_and_with_a_file_without_args():
     r = by(pf.earlyoom(slurp(OURS), {"rc": 0}, same, "n", "protect", MANAGED, NAMES), "earlyoom")
     assert r["found"].startswith("running; config from: hy3spark (managed header)")
     assert "restart pending" not in r["found"]
+
+
+# --- Second pass of the mutation run ------------------------------------------------------------------------------
+def as_ansible_returns(value):
+    """A value as Ansible hands it back to the next filter: through JSON, so its strings are built at run time."""
+    return json.loads(json.dumps(value))
+
+
+def test_a_command_the_shell_cannot_find_is_missing():
+    assert by(pf.gpu({"rc": 127, "stdout": "", "stderr": "sh: nvidia-smi: not found"}, "n", 1), "gpu")["status"] == \
+        "skip"
+    # rc 127 with output is the command's own exit code, not a missing command.
+    assert by(pf.gpu({"rc": 127, "stdout": "GPU 0: x\n"}, "n", 1), "gpu")["status"] == "fail"
+
+
+def test_fabric_address_on_a_port_that_sorts_after_the_fabric_interface():
+    rows = pf.fabric(ip_probe(iplink(addrs=()), iplink("wlan0", ("10.0.0.1/24",))), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "address")["found"] == "no IPv4 address; 10.0.0.1 is on wlan0"
+
+
+@pytest.mark.parametrize("oper", ["DOWN", "DORMANT", "LOWERLAYERDOWN"])
+def test_fabric_only_up_or_unknown_with_carrier_passes(oper):
+    rows = pf.fabric(ip_probe(iplink(oper=oper)), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "interface")["found"] == f"eth1 {oper}, no carrier"
+
+
+def test_fabric_mtu_above_the_spec_is_a_mismatch_too():
+    rows = pf.fabric(ip_probe(iplink(mtu=9216)), "n", "eth1", "10.0.0.1/24", 9000)
+    assert (by(rows, "mtu")["status"], by(rows, "mtu")["found"]) == ("fail", "9216")
+    link = iplink()
+    del link["mtu"]
+    assert by(pf.fabric(ip_probe(link), "n", "eth1", "10.0.0.1/24", 9000), "mtu")["found"] == "0"
+
+
+def test_ping_every_result_is_judged_after_a_skipped_or_passed_one():
+    res = [{"item": WORKER, "skipped": True},
+           {"item": {**WORKER, "name": "spark-c"}, "rc": 0, "stdout": "3 packets transmitted, 2 received"},
+           {"item": {**WORKER, "name": "spark-d"}, "rc": -9, "stderr": "connect: Cannot assign requested address"}]
+    rows = pf.ping(res, "spark-a", "10.0.0.1", 9000, jumbo=True)
+    assert [(r["target"], r["status"]) for r in rows] == [("spark-b", "skip"), ("spark-c", "pass"),
+                                                          ("spark-d", "fail")]
+    assert by(rows, "ping_mtu", "spark-c")["found"] == "2/3 replies"
+    assert by(rows, "ping_mtu", "spark-d")["found"] == "cannot send from 10.0.0.1: the address is not on this node"
+
+
+def test_ssh_every_result_is_judged_after_a_passed_one():
+    res = [{"item": WORKER, "rc": 0}, {"item": {**WORKER, "name": "spark-c"}, "rc": 255, "stderr": "x"}]
+    assert [r["status"] for r in pf.ssh(res, "spark-a", "")] == ["pass", "fail"]
+
+
+def test_probes_killed_by_a_signal_fail():
+    # Ansible reports a command killed by a signal with a negative rc: not a success.
+    killed = {"rc": -9, "stdout": "", "stderr": "Killed"}
+    assert by(pf.docker(killed, "n", "u"), "docker")["found"] == "Killed"
+    assert by(pf.image_arch(killed, "n", "img", "aarch64"), "image_arch")["found"] == "Killed"
+    assert by(pf.gpu({**killed, "stdout": "GPU 0: NVIDIA GB10 (UUID: GPU-1)\n"}, "n", 1), "gpu")["status"] == "fail"
+    assert pf.main_pid({"rc": -9, "stdout": "Main PID: 42"}) == 0
+
+
+def test_more_gpus_than_the_spec_asks_pass():
+    three = {"rc": 0, "stdout": "".join(f"GPU {i}: NVIDIA GB10 (UUID: GPU-{i})\n" for i in range(3))}
+    assert by(pf.gpu(three, "n", 2), "gpu")["status"] == "pass"
+
+
+def test_disk_edge_answers():
+    header = "path=/hub\nFilesystem 1-blocks Used Available Capacity Mounted on\n"
+    assert by(pf.disk({"rc": 0, "stdout": header}, "n", "/hub", 1), "disk")["found"] == \
+        "cannot measure free space: df gave no answer"
+    truncated = {"rc": 0, "stdout": header + "overlay 100 1 50 1%\n"}
+    assert by(pf.disk(truncated, "n", "/hub", 1), "disk")["found"] == "cannot measure free space: df gave no answer"
+    du_failed = {"rc": 1, "stderr": "du: cannot read directory '/hub/x': Permission denied",
+                 "stdout": header + "overlay 100 1 50 1% /\n"}
+    assert by(pf.disk(du_failed, "n", "/hub", 1), "disk")["found"] == (
+        "cannot measure free space: du: cannot read directory '/hub/x': Permission denied")
+
+
+def test_hca_outside_sys_says_where_it_looked():
+    rows = pf.hca(EXISTS, {"files": []}, {"skipped": True}, attrs({}, {}), "n", ["h9"], ["eth1"], "/tmp/sim")
+    assert by(rows, "hca", "h9")["found"] == "no HCA h9 (present: none) [sysfs root /tmp/sim]"
+
+
+def test_hca_whose_netdev_sits_on_a_higher_port_is_not_on_the_fabric_port():
+    rows = pf.hca(EXISTS, find(("h1", "eth1"), ("h2", "eth2")), {"skipped": True},
+                  attrs({"eth1": "p1", "eth2": "p2"}, {}), "n", ["h1", "h2"], ["eth1"], ROOT)
+    assert by(rows, "hca", "h2")["status"] == "fail"
+
+
+def test_earlyoom_unquoted_args_are_one_value_as_systemd_reads_them():
+    assert pf._file_args("EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n") == ["-m", "3", "--prefer", "(vllm|python)"]
+    # The file's unquoted --prefer is what a stopped earlyoom would start with.
+    text = "EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n"
+    r = by(pf.earlyoom(slurp(text), NOT_RUNNING, {"skipped": True}, "n", "leave", MANAGED, NAMES), "earlyoom")
+    assert r["status"] == "fail" and "would kill first: vllm, python3, python" in r["found"]
+
+
+def test_earlyoom_option_value_at_an_odd_position():
+    assert pf._option(["-m", "--prefer", "a"], "--prefer") == "a"
+
+
+def test_earlyoom_running_with_more_args_than_the_file_is_a_pending_restart():
+    running = cmdline(["-r", "3600", "-m", "4", "-s", "100", "--avoid", "^(vllm|VLLM|ray|raylet|gcs_server|python3|"
+                       "python)$", "--prefer", "^(chrome|code)$", "-n"])
+    r = by(pf.earlyoom(slurp(OURS), {"rc": 0}, running, "n", "protect", MANAGED, NAMES), "earlyoom")
+    assert "the running earlyoom's args differ from /etc/default/earlyoom (restart pending)" in r["found"]
+
+
+@pytest.mark.parametrize(("policy", "status", "fix"), [
+    ("leave", "fail", "set earlyoom.policy: protect"),
+    ("protect", "warn", "policy protect: the earlyoom role replaces this policy; run it before serving"),
+    ("stop", "warn", "policy stop: the earlyoom role stops earlyoom; run it before serving"),
+])
+def test_earlyoom_policy_from_the_inventory(policy, status, fix):
+    # The policy arrives from the inventory, a string built at run time, not this file's literal.
+    args = ["--prefer", "(vllm|python)"]
+    r = by(pf.earlyoom(None, {"rc": 0}, cmdline(args), "n", as_ansible_returns(policy), MANAGED, NAMES), "earlyoom")
+    assert r["status"] == status and r["fix"].startswith(fix)
+
+
+@pytest.mark.parametrize(("policy", "status", "where"), [
+    ("protect", "warn", "earlyoom.avoid in the spec"), ("leave", "warn", "--avoid in /etc/default/earlyoom"),
+    ("stop", "pass", None)])
+def test_earlyoom_unprotected_policy_from_the_inventory(policy, status, where):
+    text = 'EARLYOOM_ARGS="--avoid ^(vllm)$"\n'
+    r = by(pf.earlyoom(slurp(text), NOT_RUNNING, {"skipped": True}, "n", as_ansible_returns(policy), MANAGED, NAMES),
+           "earlyoom")
+    assert r["status"] == status
+    if where:
+        assert r["fix"].startswith(f"add VLLM::EngineCor, raylet, ray::IDLE, gcs_server, python3, python to {where}")
+
+
+def test_security_with_values_from_the_inventory():
+    cluster = as_ansible_returns({"ray": {"dashboard": "off"}, "serving": {"api_key_env": None, "host": "127.0.0.1",
+                                                                           "port": 8}})
+    assert by(pf.security(cluster, "a"), "ray_dashboard")["found"] == "off (--include-dashboard=false)"
+    cluster["ray"]["dashboard"] = as_ansible_returns("localhost")
+    assert by(pf.security(cluster, "a"), "ray_dashboard")["found"].startswith("on, bound to 127.0.0.1:8265")
+    # An inventory override outside the spec's choices is a warning, whatever it sorts like.
+    for value in ("true", "0.0.0.0", "public"):
+        cluster["ray"]["dashboard"] = value
+        assert by(pf.security(cluster, "a"), "ray_dashboard")["status"] == "warn"
+
+
+def test_spec_sha256_with_the_checksum_ansible_returns():
+    digest = hashlib.sha256(b"spec").hexdigest()
+    st = as_ansible_returns({"stat": {"exists": True, "checksum": digest}})
+    assert by(pf.spec_sha256(st, "c.yml", as_ansible_returns(digest)), "spec_sha256")["status"] == "pass"
+
+
+def test_network_pending_on_rows_that_went_through_ansible():
+    rows = as_ansible_returns([pf.row("a", "mtu", "fail", "9000", "1500"), pf.row("a", "gpu", "fail", "1", "0")])
+    assert [r["status"] for r in pf.network_pending(rows, True)] == ["warn", "fail"]
+
+
+def test_collect_goes_on_after_a_node_outside_the_run():
+    rows = pf.collect({"b": {"__preflight_node_results": [pf.row("b", "gpu", "pass", "1", "1")]}}, ["a", "b"], ["b"],
+                      [])
+    assert [(r["node"], r["check"], r["status"]) for r in rows] == [("a", "reachable", "skip"), ("b", "gpu", "pass")]
+
+
+def test_table_columns_stop_at_their_caps():
+    rows = [pf.row("n" * 30, "c" * 40, "pass", "e" * 50, "f" * 50, "x" * 60)]
+    lines = pf.table(rows).splitlines()
+    assert lines[1] == "  ".join("-" * w for w in (24, 32, 6, 36, 44, 56))
+    narrow = pf.table(rows, widths=(5, 5, 6, 5, 5, 5)).splitlines()
+    # The headers wrap too ("EXPEC" / "TED"); the rule under them shows the widths.
+    assert narrow[:3] == ["NODE   CHECK  STATUS  EXPEC  FOUND  HOW", "                      TED           TO",
+                          "                                    FIX"]
+    assert narrow[3] == "  ".join("-" * w for w in (5, 5, 6, 5, 5, 5))
+
+
+def test_table_wraps_like_a_greedy_word_wrap():
+    # Words never longer than the column: the table's wrapping must be textwrap's greedy one.
+    rng = random.Random(7)
+    for _ in range(40):
+        text = " ".join("w" * rng.randint(1, 30) for _ in range(rng.randint(1, 12)))
+        lines = pf.table([pf.row("n", "c", "fail", "e", "f", text)]).splitlines()
+        column = lines[0].index("HOW TO FIX")
+        assert [line[column:] for line in lines[2:-2]] == textwrap.wrap(text, 56), text
+
+
+def test_table_word_exactly_as_wide_as_the_column_is_one_line():
+    lines = pf.table([pf.row("n", "c", "fail", "e", "f", "w" * 56)]).splitlines()
+    assert len(lines) == 5 and lines[2].endswith("w" * 56)
