@@ -185,8 +185,7 @@ def engine_config(model_config: dict[str, Any], args: argparse.Namespace, max_le
         "stages": stages,
         "block_size": args.block_size or DEFAULT_BLOCK_SIZE,
         "max_num_batched_tokens": args.max_num_batched_tokens or default_max_num_batched_tokens(),
-        # The double's parser has no --disable-hybrid-kv-cache-manager yet: absent means vLLM's default (on).
-        "hybrid_kv_cache_manager": not getattr(args, "disable_hybrid_kv_cache_manager", False),
+        "hybrid_kv_cache_manager": not args.disable_hybrid_kv_cache_manager,
         "auto_fit_from": max_len if auto_fit else None,
     }
 
