@@ -330,3 +330,18 @@ def test_every_rank_heard_from_passes(fixtures: Path) -> None:
     # The same real run with rank 1's file missing: rank 1 of the real communicator is named.
     only_rank0 = {k: v for k, v in _logs(fixtures, "default").items() if "rank0" in k}
     assert any("rank(s) 1 logged nothing" in text for text in gate(parse_logs(only_rank0)).failures)
+
+
+def test_a_silent_rank_is_named_with_the_hosts_of_its_own_communicator_only() -> None:
+    # Three communicators: 0xb1 spans spark-a and spark-b and lacks rank 2; 0xa1 and 0xc1 are complete one-rank
+    # communicators elsewhere, so their hosts must not be listed as having been heard from for 0xb1.
+    def init(host: str, pid: int, rank: int, nranks: int, comm_id: str) -> str:
+        return (f"{host}:{pid}:{pid} [0] NCCL INFO ncclCommInitRankConfig comm 0x{pid} rank {rank} nranks {nranks} "
+                f"cudaDev 0 busId f01000 commId {comm_id}\n"
+                f"{host}:{pid}:{pid} [0] NCCL INFO Channel 00/0 : {rank}[0] -> {rank}[0] via P2P/CUMEM\n")
+
+    logs = {"a": init("spark-a", 100, 0, 3, "0xb1"), "b": init("spark-b", 200, 1, 3, "0xb1"),
+            "c": init("spark-c", 300, 0, 1, "0xa1"), "d": init("spark-d", 400, 0, 1, "0xc1")}
+    (failure,) = gate(parse_logs(logs)).failures
+    assert "; communicator" not in failure
+    assert "communicator 0xb1 has 3 ranks; rank(s) 2 logged nothing (heard from: spark-a, spark-b)" in failure
