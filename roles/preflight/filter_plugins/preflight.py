@@ -436,24 +436,30 @@ def _b64(slurp: Mapping[str, Any] | None) -> str | None:
     return base64.b64decode(slurp["content"]).decode("utf-8", "replace")
 
 
+def _env_file_value(raw: str) -> str:
+    """The value of one `KEY=value` line as systemd's EnvironmentFile= reads it: a value opening with a quote runs to
+    the closing quote (in double quotes a backslash escapes \\, ", ` and $); what follows, like an unquoted value,
+    is kept as written, spaces and a `#` included, with backslash escapes resolved and trailing whitespace dropped."""
+    text, value, i = raw.lstrip(), "", 0
+    if text[:1] in ("'", '"'):
+        quote, i = text[0], 1
+        while i < len(text) and text[i] != quote:
+            if quote == '"' and text[i] == "\\" and text[i + 1:i + 2] in ('"', "\\", "`", "$"):
+                i += 1
+            value += text[i]
+            i += 1
+        i += 1  # the closing quote
+    return value + re.sub(r"\\(.)", r"\1", text[i:]).rstrip()
+
+
 def _file_args(text: str) -> list[str] | None:
-    """EARLYOOM_ARGS as earlyoom receives it: EnvironmentFile drops the outer quotes of a quoted value and keeps an
-    unquoted one whole (EARLYOOM_ARGS=-m 3 -s 10 is all three options), then systemd splits $VAR at whitespace and
-    removes quotes (as a shell would), so --prefer '(a|b)' arrives as (a|b)."""
+    """EARLYOOM_ARGS as earlyoom receives it: the EnvironmentFile value (the last assignment wins), then systemd
+    splits $EARLYOOM_ARGS at whitespace and removes quotes as a shell would, so --prefer '(a|b)' arrives as (a|b)."""
     value = None
     for line in text.splitlines():
         m = re.match(r"^\s*(?:export\s+)?EARLYOOM_ARGS=(.*)$", line)
-        if not m:
-            continue
-        raw = m.group(1).strip()
-        if raw[:1] not in ("'", '"'):
-            value = raw
-            continue
-        try:
-            parts = shlex.split(raw, comments=True)
-        except ValueError:
-            parts = [raw]
-        value = parts[0] if parts else ""
+        if m:
+            value = _env_file_value(m.group(1))
     if value is None:
         return None
     try:
