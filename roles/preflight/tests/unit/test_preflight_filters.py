@@ -565,8 +565,8 @@ def test_disk_at_the_cache_dir_itself_on_a_mount_with_spaces():
                                 f"/dev/sda1 100 1 {3 * 2**30} 1% /mnt/big disk\n"}
     r = by(pf.disk(probe, "n", "/hub", 2 * 2**30), "disk")
     assert r == pf.row("n", "disk", "pass", ">= 2.0 GiB free for /hub", "3.0 GiB free on /mnt/big disk at /hub")
-    short = by(pf.disk(probe, "n", "/hub", 5 * 2**30), "disk")
-    assert short["fix"] == ("free 2.0 GiB on /mnt/big disk, or point model.cache_dir at a larger disk (the same path "
+    short = by(pf.disk(probe, "n", "/hub", 7 * 2**30), "disk")
+    assert short["fix"] == ("free 4.0 GiB on /mnt/big disk, or point model.cache_dir at a larger disk (the same path "
                             "on every node)")
     exact = by(pf.disk(probe, "n", "/hub", 3 * 2**30), "disk")
     assert exact["status"] == "pass"
@@ -758,7 +758,12 @@ def test_files_by_path_keeps_the_first_value():
 # --- earlyoom in detail ---------------------------------------------------------------------------------------
 def test_earlyoom_args_file_parsing():
     assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a|b)\'"\n') == ["-m", "3", "--prefer", "(a|b)"]
-    assert pf._file_args('export EARLYOOM_ARGS="-r 60"  # a comment\n') == ["-r", "60"]
+    # systemd keeps what follows the closing quote, a `#` included (it is no comment there), as earlyoom gets it.
+    assert pf._file_args('export EARLYOOM_ARGS="-r 60"  # a comment\n') == ["-r", "60", "#", "a", "comment"]
+    assert pf._file_args('EARLYOOM_ARGS="-r 60"#c\n') == ["-r", "60#c"]
+    # In double quotes \" is a quote; after them, \# is a plain #.
+    assert pf._env_file_value(r'"-m \"3\" \d" x\#y  ') == r'-m "3" \d x#y'
+    assert pf._env_file_value(r"'-m \"3\"'") == r'-m \"3\"'
     assert pf._file_args("  EARLYOOM_ARGS=-m\n") == ["-m"]
     # The last assignment wins, as in a shell.
     assert pf._file_args('EARLYOOM_ARGS="-m 1"\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
@@ -766,7 +771,7 @@ def test_earlyoom_args_file_parsing():
     assert pf._file_args("EARLYOOM_ARGS=\n") == []
     # Unbalanced quotes: earlyoom would get the raw words.
     assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a"\n') == ["-m", "3", "--prefer", "'(a"]
-    assert pf._file_args("EARLYOOM_ARGS='-m 3\n") == ["'-m", "3"]
+    assert pf._file_args("EARLYOOM_ARGS='-m 3\n") == ["-m", "3"]
 
 
 def test_earlyoom_option_forms():
@@ -1016,3 +1021,64 @@ def test_table_wraps_like_a_greedy_word_wrap():
 def test_table_word_exactly_as_wide_as_the_column_is_one_line():
     lines = pf.table([pf.row("n", "c", "fail", "e", "f", "w" * 56)]).splitlines()
     assert len(lines) == 5 and lines[2].endswith("w" * 56)
+
+
+# --- Third pass ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("errno", [1, 13])
+def test_a_command_that_could_not_execute_for_another_reason_is_not_missing(errno):
+    # ansible-core 2.19: rc is the errno of the failed exec; only ENOENT (2) means "not installed".
+    probe = {"rc": errno, "msg": "Error executing command.", "stdout": "", "stderr": ""}
+    r = by(pf.gpu(probe, "n", 1), "gpu")
+    assert (r["status"], r["found"]) == ("fail", "nvidia-smi failed")
+
+
+def test_more_human_sizes():
+    assert pf._human_bytes(1536 * 2**30) == "1.5 TiB"
+
+
+def test_probes_killed_by_a_signal_fail_everywhere():
+    killed = {"rc": -9, "stdout": "", "stderr": "Killed"}
+    assert {r["status"] for r in pf.fabric(killed, "n", "eth1", "10.0.0.1/24", 9000)} == {"fail"}
+    assert by(pf.ssh([{"item": WORKER, **killed}], "a", ""), "ssh", "spark-b")["status"] == "fail"
+    assert not pf.docker_usable(killed)
+    df = "path=/hub\nFilesystem 1-blocks Used Available Capacity Mounted on\noverlay 100 1 50 1% /\n"
+    assert by(pf.disk({**killed, "stdout": df}, "n", "/hub", 1), "disk")["status"] == "fail"
+
+
+def test_fabric_hint_and_list_name_only_the_right_ports():
+    links = (iplink("eth3", ("1.1.1.1/32",)), iplink("wlan0", ("10.0.0.7/24",)), iplink("eth0", ("10.0.0.7/24",)))
+    rows = pf.fabric(ip_probe(*links), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "interface")["found"] == "no interface eth1 (present: eth0, eth3, wlan0)"
+    rows = pf.fabric(ip_probe(iplink(addrs=("1.2.3.4/8",))), "n", "eth1", "10.0.0.1/24", 9000)
+    assert by(rows, "address")["found"] == "1.2.3.4/8"
+
+
+def test_disk_with_a_warning_before_the_df_header():
+    probe = {"rc": 0, "stdout": "path=/hub\ndf: /proc/x: warning\nFilesystem 1-blocks Used Available Capacity "
+                                f"Mounted on\noverlay 100 1 {2**30} 1% /\n"}
+    assert by(pf.disk(probe, "n", "/hub", 1), "disk")["found"] == "1.0 GiB free on / at /hub"
+
+
+def test_disk_needs_only_what_is_missing_and_says_how_much_to_free():
+    probe = {"rc": 0, "stdout": "path=/hub\n" + DF.format(avail=3 * 2**30) + f"{5 * 2**30}\t/hub/models--a--b\n"}
+    r = by(pf.disk(probe, "n", "/hub", 6 * 2**30), "disk")
+    assert r["expected"] == ">= 1.0 GiB free for /hub (model 6.0 GiB, 5.0 GiB already there)"
+    r = by(pf.disk(probe, "n", "/hub", 12 * 2**30), "disk")
+    assert r["status"] == "fail" and r["fix"].startswith("free 4.0 GiB on /,")
+
+
+def test_hca_netdevs_ignore_paths_of_other_depths():
+    files = find(("h1", "eth1"))
+    files["files"] = [{"path": f"{ROOT}/class/infiniband/h1/device/net"},
+                      {"path": f"{ROOT}/class/infiniband/h1/device/net/eth1/x"}] + files["files"]
+    assert pf.hca_netdevs(files, {"skipped": True}, ROOT) == {"h1": ["eth1"]}
+
+
+def test_hca_is_judged_against_the_first_fabric_interface():
+    rows = pf.hca(EXISTS, find(("h1", "eth1")), {"skipped": True}, attrs({}, {}), "n", ["h1"], ["eth1", "eth2"],
+                  "/sys")
+    assert by(rows, "hca", "h1")["expected"] == "h1 on eth1, the port carrying the fabric address"
+
+
+def test_earlyoom_the_last_assignment_wins_after_an_unquoted_one():
+    assert pf._file_args('EARLYOOM_ARGS=-m 1\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
