@@ -1082,3 +1082,18 @@ def test_hca_is_judged_against_the_first_fabric_interface():
 
 def test_earlyoom_the_last_assignment_wins_after_an_unquoted_one():
     assert pf._file_args('EARLYOOM_ARGS=-m 1\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
+
+
+def test_earlyoom_option_without_a_value_at_an_odd_position():
+    assert pf._option(["-m", "--prefer"], "--prefer") is None
+
+
+def test_earlyoom_provenance_header_on_the_twelfth_line_counts():
+    assert pf._provenance("\n" * 11 + f"# {MANAGED}\n", MANAGED) == "hy3spark (managed header)"
+
+
+def test_failures_and_the_summary_of_rows_that_went_through_ansible():
+    rows = as_ansible_returns([pf.row("a", "mtu", "fail", "9000", "1500"), pf.row("a", "gpu", "pass", "1", "1"),
+                               pf.row("b", "ssh", "warn", "x", "y", target="c")])
+    assert pf.failures(rows) == ["a/mtu"]
+    assert pf.table(rows).splitlines()[-1] == "preflight: 1 pass, 1 fail, 1 warn, 0 skip, 0 info"
