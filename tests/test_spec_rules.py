@@ -687,3 +687,19 @@ def test_load_spec_of_a_missing_file_says_it_cannot_read_it(tmp_path: Path) -> N
     with pytest.raises(SpecError) as caught:
         load_spec(path)
     assert caught.value.problems == [f"{path}: cannot read the spec: No such file or directory"]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("min_worker_port", 65536, "Input should be less than or equal to 65535"),
+    ("max_worker_port", 1023, "Input should be greater than or equal to 1024"),
+])
+def test_ray_worker_ports_outside_their_own_bounds_say_so(field: str, value: int, message: str) -> None:
+    # Not the range rule's message: the port itself is out of bounds.
+    assert only_problem(spec_text(ray={field: value})).endswith(f"ray.{field}: {value}: {message}")
+
+
+def test_a_management_address_that_is_another_nodes_ssh_host_is_an_address_clash() -> None:
+    head = node("spark-a", "10.0.0.1/24", ssh_host="192.168.1.10")
+    worker = node("spark-b", "10.0.0.2/24", mgmt_ip="192.168.1.10")
+    assert only_problem(spec_text(head=head, workers=[worker])).endswith(
+        "workers[0].mgmt_ip: '192.168.1.10' is already used by head.ssh_host; each node needs its own address")
