@@ -413,7 +413,7 @@ def test_a_spec_that_is_not_a_mapping() -> None:
     assert only_problem("- a\n- b\n") == "cluster.yml:1: the spec must be a YAML mapping (name:, profile:, head:, ...)"
 
 
-@pytest.mark.parametrize(("mtu", "warned"), [(1500, True), (8999, True), (9000, False)])
+@pytest.mark.parametrize(("mtu", "warned"), [(1500, True), (8999, True), (9000, False), (9216, False)])
 def test_mtu_below_9000_on_a_multi_node_fabric_warns(mtu: int, warned: bool) -> None:
     text = spec_text(fabric={"mtu": mtu})
     warnings = parse_spec(text, "c").warnings
