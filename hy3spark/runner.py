@@ -46,6 +46,8 @@ def ansible_envvars() -> dict[str, str]:
         "ANSIBLE_CONFIG": str(content.path("ansible.cfg")),
         "ANSIBLE_ROLES_PATH": str(content.path("roles")),
         "ANSIBLE_LOOKUP_PLUGINS": str(content.path("plugins", "lookup")),
+        "ANSIBLE_LIBRARY": str(content.path("plugins", "modules")),
+        "ANSIBLE_FILTER_PLUGINS": str(content.path("plugins", "filter")),
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_NOCOLOR": "1",
         "LC_ALL": "C.UTF-8",

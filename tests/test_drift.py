@@ -1,4 +1,4 @@
-"""roles/drift's observer (library/hy3spark_drift.py) and the hy3spark_content lookup, without a node.
+"""roles/drift's observer (plugins/modules/hy3spark_drift.py) and the hy3spark_content lookup, without a node.
 
 The role itself runs in molecule/site (re-run in sync, forced full run, a hand edit found and repaired)."""
 
@@ -32,7 +32,7 @@ def load(path: Path, name: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def drift() -> ModuleType:
-    return load(ROOT / "roles/drift/library/hy3spark_drift.py", "hy3spark_drift")
+    return load(ROOT / "plugins/modules/hy3spark_drift.py", "hy3spark_drift")
 
 
 def snapshot(drift: ModuleType, tmp: Path) -> dict:
@@ -466,7 +466,7 @@ PLAYBOOK = """\
 
 def test_the_module_records_and_compares_in_a_playbook(node: Path) -> None:
     (node / "play.yml").write_text(PLAYBOOK)
-    env = {**os.environ, "ANSIBLE_LIBRARY": str(ROOT / "roles/drift/library"), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_LIBRARY": str(ROOT / "plugins/modules"), "ANSIBLE_NOCOLOR": "1"}
     proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,",
                            "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"dir={node}",
                            "-e", f"inputs={INPUTS}", str(node / "play.yml")],

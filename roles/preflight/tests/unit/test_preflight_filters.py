@@ -1,4 +1,4 @@
-"""Unit tests of the preflight role's judgements (filter_plugins/preflight.py), from probe outputs as Ansible
+"""Unit tests of the preflight role's judgements (plugins/filter/preflight.py), from probe outputs as Ansible
 registers them. Run: pytest roles/preflight/tests/unit"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-_PLUGIN = Path(__file__).resolve().parents[2] / "filter_plugins" / "preflight.py"
+_PLUGIN = Path(__file__).resolve().parents[4] / "plugins" / "filter" / "preflight.py"
 _spec = importlib.util.spec_from_file_location("preflight_filters", _PLUGIN)
 assert _spec and _spec.loader
 pf = importlib.util.module_from_spec(_spec)

@@ -16,8 +16,8 @@ short_description: Report the provenance and the real policy of a node's earlyoo
 description:
   - Reads the earlyoom environment file, the package's conffile checksum, the systemd unit and the arguments of
     the earlyoom process actually running (C(/proc/<MainPID>/cmdline)); changes nothing.
-  - Provenance is C(hy3spark) (our managed header), C(sparkrun) (the C(# Configured by: sparkrun setup earlyoom)
-    header), C(package-default) (byte-identical to the file the package shipped), C(absent) or C(unknown).
+  - "Provenance is C(hy3spark) (our managed header), C(sparkrun) (the C(# Configured by: sparkrun setup earlyoom)
+    header), C(package-default) (byte-identical to the file the package shipped), C(absent) or C(unknown)."
   - Each protected process name is checked against the effective C(--prefer), C(--avoid) and C(--ignore) regexes the
     way earlyoom does it, on the name truncated to 15 characters (C(/proc/<pid>/comm)); Python's C(re) stands in for
     POSIX extended regexes, which agree on the patterns these configs use.
