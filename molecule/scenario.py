@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -58,9 +59,10 @@ def api(host: str, path: str, body: dict | None = None, key: str = "") -> tuple[
     return int(status), json.loads(text or "{}")
 
 
-def playbook(*args: str) -> subprocess.CompletedProcess:
-    """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env)."""
-    cmd = ["ansible-playbook", "-i", str(Path(INVENTORY).parent), *args]
+def playbook(*args: str, inventory: Path | None = None) -> subprocess.CompletedProcess:
+    """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env); another
+    `inventory` directory (one from variant_inventory) replaces Molecule's."""
+    cmd = ["ansible-playbook", "-i", str(inventory or Path(INVENTORY).parent), *args]
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "COLUMNS": "1000"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
 
@@ -76,3 +78,19 @@ def recap(output: str, field: str = "changed") -> dict[str, int]:
 def flat(output: str) -> str:
     """The output with the YAML callback's line folding undone."""
     return " ".join(output.split())
+
+
+def variant_inventory(directory: Path, rendered_inventory: Path) -> Path:
+    """Molecule's inventory (how to reach the nodes) with the group_vars and host_vars of another render: a whole
+    other spec deployed to the same nodes, per-node values included (`-e @file` can only override what all hosts
+    share)."""
+    target = directory / "molecule-inventory"
+    target.mkdir(parents=True, exist_ok=True)
+    hosts = Path(INVENTORY)
+    shutil.copy(hosts, target / hosts.name)
+    for name in ("group_vars", "host_vars"):
+        link = target / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(rendered_inventory / name, target_is_directory=True)
+    return target

@@ -234,6 +234,34 @@ def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
     assert API_KEY not in out
 
 
+def test_the_installed_collection_runs_site_by_full_name() -> None:
+    # The collection as an ops engineer installs it (ansible-galaxy build + install), run by full name with none of
+    # the checkout's role or plugin paths: every task must come from the installed copy.
+    work = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "collection"
+    work.mkdir(exist_ok=True)
+    build = subprocess.run(["ansible-galaxy", "collection", "build", "--force", "--output-path", str(work), str(REPO)],
+                           capture_output=True, text=True, check=False)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (tarball,) = work.glob("hy3spark-cluster-*.tar.gz")
+    installed = work / "collections"
+    subprocess.run(["ansible-galaxy", "collection", "install", "--force", "-p", str(installed), str(tarball)],
+                   capture_output=True, text=True, check=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ANSIBLE_ROLES_PATH", "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")}
+    env.update(ANSIBLE_COLLECTIONS_PATH=str(installed), ANSIBLE_NOCOLOR="1", COLUMNS="1000")
+    result = subprocess.run(["ansible-playbook", "-i", str(Path(scenario.INVENTORY).parent), "-vv",
+                             "hy3spark.cluster.site"], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=900, check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-20000:]
+    assert recap(out) == {HEAD: 0, WORKER: 0}, out[-20000:]
+    paths = re.findall(r"^task path: (\S+):\d+$", out, re.M)
+    collection = str(installed / "ansible_collections" / "hy3spark" / "cluster")
+    assert paths and all(path.startswith(collection) for path in paths), sorted(set(paths))[:5]
+    assert API_KEY not in out
+    test_idempotent_run_left_the_engine_and_containers_alone()
+
+
 def test_forced_full_run_changes_and_restarts_nothing() -> None:
     result = playbook(str(SCENARIO / "converge.yml"), "-e", "drift_full_run=true")
     out = result.stdout + result.stderr
@@ -336,9 +364,13 @@ def test_fault_nccl_falls_back_to_sockets_on_the_worker() -> None:
     # The engine double's NIC is fake, so the test decides what NCCL reports: here the worker's rank finds no usable
     # RDMA device and NCCL silently takes TCP (NET/Socket), as on a Spark whose HCA names are wrong. The engine
     # starts and answers; the transport gate must still fail the run, naming the worker and its channels.
+    # The variable sits in each node's env file (host_vars): the whole variant inventory is deployed.
     group_vars = variant("fault-nccl-socket", "  gpus: false\n",
                          f"  gpus: false\n  env: {{VLLM_DOUBLE_NCCL_NET: {WORKER}=Socket}}\n")
-    result = playbook(str(SCENARIO / "converge.yml"), "-e", f"@{group_vars}")
+    rendered = group_vars.parents[2]
+    assert f"VLLM_DOUBLE_NCCL_NET: {WORKER}=Socket" in (rendered / "host_vars" / f"{WORKER}.yml").read_text()
+    inventory = scenario.variant_inventory(rendered.parent.parent, rendered)
+    result = playbook(str(SCENARIO / "converge.yml"), inventory=inventory)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     text = flat(out)
