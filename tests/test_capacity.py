@@ -19,6 +19,7 @@ from hy3spark.capacity import (
     parse_kv_lines,
     plan,
     plan_from_available,
+    vllm_default_max_num_batched_tokens,
 )
 
 
@@ -453,3 +454,112 @@ def test_serve_config_rejects_lengths_other_than_auto_fit_and_bad_block_sizes() 
         ServeConfig(tensor_parallel=1, max_model_len=0, max_num_seqs=1)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         ServeConfig(tensor_parallel=1, max_model_len=1024, max_num_seqs=1, block_size=0)
+
+
+# --- edges a user can reach: odd sizes, the smallest block, bounds of the knobs --------------------------------
+
+
+def test_sliding_window_blocks_with_a_batch_size_that_is_not_a_power_of_two() -> None:
+    # --max-num-batched-tokens 1000: ceil(min(128 - 1 + 1000, 131072) / 16) + 1 = ceil(1127 / 16) + 1 = 72 blocks
+    # per sliding group (SlidingWindowSpec.max_memory_usage_bytes), beside 131072 / 16 = 8192 for the full group.
+    serve = ServeConfig(tensor_parallel=1, max_model_len=131_072, max_num_seqs=1, max_num_batched_tokens=1_000)
+    result = plan_from_available(_gpt_oss(), serve, 10 * GIB)
+    assert [(g.kind, g.blocks_per_request) for g in result.groups] == [("sliding", 72), ("full", 8_192)]
+    assert result.blocks_per_request == 8_264
+    # 10 GiB // 32,768 B // 18 layers = 18,204 blocks; 18,204 / 8,264 = 2.2028x; int(2.2028 x 131,072) = 288,726.
+    assert result.num_blocks == 18_204
+    assert result.kv_cache_size_line == "GPU KV cache size: 288,726 tokens"
+    assert result.max_concurrency_line == "Maximum concurrency for 131,072 tokens per request: 2.20x"
+
+
+def test_block_size_1_with_one_block_fits_a_one_token_request() -> None:
+    # --block-size 1, one layer with one KV head of head_dim 1 (bf16): a page is 1 x 1 x 2 x 1 x 2 = 4 B. With 4 B
+    # available the rank has one block: a one-token request fits, a 1,024-token one does not, and vLLM's estimate is 1.
+    shape = ModelShape(num_hidden_layers=1, num_key_value_heads=1, head_dim=1, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=1, max_model_len=1_024, max_num_seqs=1, block_size=1)
+    result = plan_from_available(shape, serve, 4)
+    assert (result.page_bytes, result.num_blocks) == (4, 1)
+    assert result.vllm_error is not None
+    assert (result.vllm_error.rank, result.vllm_error.estimated_max_model_len) == (0, 1)
+    assert "Based on the available memory, the estimated maximum model length is 1." in result.vllm_error.message
+    (problem,) = result.problems
+    assert "the estimated maximum model length is 1: set max_model_len to at most 1, or" in problem.message
+
+
+def test_tp_that_does_not_divide_an_odd_number_of_kv_heads_lists_them_all() -> None:
+    shape = ModelShape(num_hidden_layers=4, num_key_value_heads=3, head_dim=128, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=2, max_model_len=1_024, max_num_seqs=1)
+    (problem,) = [p for p in plan_from_available(shape, serve, GIB).problems if p.code == "tp-kv-heads"]
+    assert problem.message.endswith("use a tensor_parallel of 1, 3 (or a multiple of 3)")
+
+
+@pytest.mark.parametrize("utilization", [0, 0.0, -0.1, 1.01])
+def test_gpu_memory_utilization_outside_0_to_1_is_rejected(utilization: float) -> None:
+    with pytest.raises(ValueError, match=rf"gpu_memory_utilization must be in \(0, 1\], got {utilization}"):
+        _spark_budget(gpu_memory_utilization=utilization)
+
+
+def test_gpu_memory_utilization_of_1_is_accepted() -> None:
+    assert _spark_budget(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_when_only_rank_0_fails_the_problem_names_rank_0_and_its_memory() -> None:
+    shape, serve = _hy3(max_num_seqs=1)
+    (problem,) = plan_from_available(shape, serve, [0, 20 * GIB]).problems
+    assert problem.message.startswith("rank 0 has 0.00 GiB left for the KV cache, so vLLM will stop")
+    # 1 GiB // 16,384 B // 81 layers = 809 blocks = 12,944 tokens; a 131,072-token request needs 10.12 GiB.
+    (problem,) = plan_from_available(shape, serve, [GIB, 20 * GIB]).problems
+    assert problem.message.startswith(
+        "one 131,072-token request needs 10.12 GiB of KV cache on rank 0 but only 1.00 GiB is available"
+    )
+    assert "the estimated maximum model length is 12944: set max_model_len to at most 12944" in problem.message
+
+
+@pytest.mark.parametrize(
+    ("nvml_total_memory_bytes", "expected"),
+    [(None, 2048), (0, 2048), (48 * GIB, 2048), (70 * GIB - 1, 2048), (70 * GIB, 8192), (80 * GIB, 8192)],
+)
+def test_vllm_serve_batches_8192_tokens_only_on_a_gpu_nvml_reports_at_70_gib_or_more(
+    nvml_total_memory_bytes: int | None, expected: int
+) -> None:
+    assert vllm_default_max_num_batched_tokens(nvml_total_memory_bytes) == expected
+
+
+def test_calibrate_says_which_of_total_and_utilization_to_pass() -> None:
+    no_requested = [line for line in _SYNTHETIC_LOG.splitlines() if "Requested memory" not in line]
+    bare = "\n".join(line for line in no_requested if "non-default args" not in line)
+    with pytest.raises(ValueError) as both:
+        calibrate_overhead(bare)
+    assert str(both.value).endswith(
+        "cannot be computed instead: pass total_memory_bytes and pass gpu_memory_utilization (the log has no "
+        "'non-default args: {...gpu_memory_utilization...}' line)"
+    )
+    with pytest.raises(ValueError) as utilization:
+        calibrate_overhead(bare, total_memory_bytes=GB10_TOTAL_MEMORY_BYTES)
+    assert str(utilization.value).endswith("cannot be computed instead: pass gpu_memory_utilization (the log has no "
+                                           "'non-default args: {...gpu_memory_utilization...}' line)")
+    with pytest.raises(ValueError) as total:
+        calibrate_overhead(bare, gpu_memory_utilization=0.9)
+    assert str(total.value).endswith("cannot be computed instead: pass total_memory_bytes")
+    # Both given: requested = ceil(0.9 x 121.69 GiB), as from the logged utilization.
+    overhead, _ranks = calibrate_overhead(bare, total_memory_bytes=GB10_TOTAL_MEMORY_BYTES, gpu_memory_utilization=0.9)
+    assert overhead == 117_597_278_306 - int(84.29 * GIB) - int(22.21 * GIB)
+
+
+def test_calibrate_explains_a_run_that_set_kv_cache_memory_bytes() -> None:
+    # vllm/v1/worker/gpu_worker.py logs this instead of "Available KV cache memory" when --kv-cache-memory-bytes is set.
+    reserved = "\n".join(
+        line.replace("Available KV cache memory: 22.23 GiB", "Reserved 22.23 GiB for KV cache as specified by "
+                     "kv_cache_memory_bytes config and skipped memory profiling.")
+        for line in _SYNTHETIC_LOG.splitlines() if "Available KV cache memory: 22.21" not in line
+    )
+    with pytest.raises(ValueError) as error:
+        calibrate_overhead(reserved)
+    assert str(error.value) == (
+        "the log has no 'Available KV cache memory: <N> GiB' line (this run set --kv-cache-memory-bytes, which skips "
+        "the profiling that measures the overhead)"
+    )
+    with pytest.raises(ValueError) as cut:
+        calibrate_overhead("INFO nothing here")
+    assert str(cut.value).endswith("(vLLM logs it at INFO after profiling; was the log cut short or did startup fail "
+                                   "earlier?)")

@@ -253,3 +253,18 @@ def test_the_default_spec_plans_the_hy3_profile_vector() -> None:
     assert [plan.kv_cache_size_line, plan.max_concurrency_line] == CASES["hy3-profile-gb10-nvml-unsupported"]["vllm"][
         "lines"
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("2048", 2048), ("2k", 2_000), ("2K", 2_048), ("1m", 1_000_000), ("1M", 1_048_576),
+     ("1g", 1_000_000_000), ("1G", 1_073_741_824)],
+)  # fmt: skip
+def test_extra_args_take_vllms_human_readable_numbers(value: str, expected: int) -> None:
+    """vLLM's human_readable_int: a lower-case suffix is decimal (k = 1000), an upper-case one binary (K = 1024)."""
+    assert planning.kv_extra_args(["--max-num-batched-tokens", value]) == {"max_num_batched_tokens": expected}
+
+
+def test_a_kv_flag_without_its_value_is_a_clean_error() -> None:
+    with pytest.raises(planning.Hy3SparkError, match=r"^serving.extra_args: --block-size needs a value$"):
+        planning.kv_extra_args(["--enforce-eager", "--block_size"])
