@@ -1097,3 +1097,11 @@ def test_failures_and_the_summary_of_rows_that_went_through_ansible():
                                pf.row("b", "ssh", "warn", "x", "y", target="c")])
     assert pf.failures(rows) == ["a/mtu"]
     assert pf.table(rows).splitlines()[-1] == "preflight: 1 pass, 1 fail, 1 warn, 0 skip, 0 info"
+
+
+def test_earlyoom_long_quoted_value_without_its_closing_quote_on_the_line():
+    # A quoted value continued on the next line (systemd allows it) has no closing quote on its first line; a long
+    # --avoid list makes such a line longer than 256 characters.
+    words = " ".join(f"proc{i}" for i in range(60))
+    assert pf._env_file_value(f'"-m 3 --avoid {words}') == f"-m 3 --avoid {words}"
+    assert pf._file_args(f'EARLYOOM_ARGS="-m 3 --avoid {words}\n')[-1] == "proc59"
