@@ -563,3 +563,33 @@ def test_calibrate_explains_a_run_that_set_kv_cache_memory_bytes() -> None:
         calibrate_overhead("INFO nothing here")
     assert str(cut.value).endswith("(vLLM logs it at INFO after profiling; was the log cut short or did startup fail "
                                    "earlier?)")
+
+
+def test_the_suggested_utilization_is_one_vllm_accepts_at_a_rounding_boundary() -> None:
+    # 100 GB total, 34 GB free: 34/100 is exactly 0.34, but vLLM requests ceil(100 GB x 0.34) = 34,000,000,001 B
+    # (0.34 is not exact in binary), one byte more than is free; 0.33 is the largest utilization that starts.
+    shape, serve = _hy3(max_num_seqs=1)
+    budget = _spark_budget(total_memory_bytes=100_000_000_000, free_memory_bytes=34_000_000_000)
+    assert math.ceil(100_000_000_000 * 0.34) > 34_000_000_000
+    problem = plan(shape, serve, budget).problems[0]
+    assert problem.code == "startup-memory"
+    assert "lower gpu_memory_utilization to 0.33 (which also shrinks the KV cache)" in problem.message
+
+
+def test_free_memory_under_one_percent_only_says_to_free_memory() -> None:
+    shape, serve = _hy3(max_num_seqs=1)
+    problem = plan(shape, serve, _spark_budget(free_memory_bytes=GIB // 2)).problems[0]
+    assert problem.message.endswith(
+        "free memory 0.50 GiB is less than the 109.52 GiB it requests (gpu_memory_utilization 0.9 x 121.69 GiB "
+        "total); free memory on the nodes (stop other containers and processes, drop the page cache)"
+    )
+
+
+def test_a_rank_with_negative_kv_memory_has_no_length_estimate() -> None:
+    # Like vLLM's vector llama405b-no-kv-memory: a rank with no memory left raises before any estimate.
+    shape, serve = _hy3(tensor_parallel=2, max_num_seqs=1)
+    result = plan(shape, serve, _spark_budget(weights_per_rank_bytes=110 * GIB))
+    assert [row.kv_available_bytes < 0 for row in result.rows] == [True, True]
+    assert [row.estimated_max_model_len for row in result.rows] == [None, None]
+    assert result.vllm_error is not None
+    assert (result.vllm_error.rank, result.vllm_error.estimated_max_model_len) == (0, None)
