@@ -593,3 +593,36 @@ def test_a_rank_with_negative_kv_memory_has_no_length_estimate() -> None:
     assert [row.estimated_max_model_len for row in result.rows] == [None, None]
     assert result.vllm_error is not None
     assert (result.vllm_error.rank, result.vllm_error.estimated_max_model_len) == (0, None)
+
+
+def test_hybrid_grouping_at_exactly_1_5x_uses_the_smaller_count() -> None:
+    # vLLM takes the larger count as the group size only when it is under 1.5x the smaller: 18 sliding + 12 full is
+    # exactly 1.5x, so groups of 12: two sliding groups of 9 (dealt round-robin) and one full group of 12, and the
+    # pool is split 12 ways (1 GiB // 32,768 B // 12 = 2,730 blocks).
+    shape = ModelShape(30, 8, 64, 0, sliding_window=512, sliding_window_layers=18)
+    serve = ServeConfig(tensor_parallel=1, max_model_len=4_096, max_num_seqs=1)
+    result = plan_from_available(shape, serve, GIB)
+    assert [(g.kind, len(g.layers)) for g in result.groups] == [("sliding", 9), ("sliding", 9), ("full", 12)]
+    assert result.num_blocks == 2_730
+
+
+def test_concurrency_warning_for_a_bf16_cache_suggests_fp8() -> None:
+    # bf16 KV: 32,768 B pages, 8,995 blocks, 1.10 requests of 131,072 tokens; 8,995 // 3 = 2,998 blocks per request.
+    shape, serve = _hy3(max_num_seqs=3, kv_cache_dtype="auto")
+    (problem,) = plan(shape, serve, _spark_budget()).problems
+    assert problem.message == (
+        "only 1.10 requests of 131,072 tokens fit in the KV cache, fewer than max_num_seqs 3: with long prompts the "
+        "rest wait or are preempted; lower max_num_seqs to 1, max_model_len to 47,968 (fits 3 full-length "
+        "requests), or raise gpu_memory_utilization (if the nodes have the memory free), use kv_cache_dtype fp8 "
+        "(half the bytes per token), spread the model over more ranks"
+    )
+
+
+def test_concurrency_warning_without_a_length_that_fits_every_sequence() -> None:
+    # 17,991 blocks over 20,000 sequences is not one block each: no max_model_len to suggest.
+    shape, serve = _hy3(max_num_seqs=20_000)
+    (problem,) = plan(shape, serve, _spark_budget()).problems
+    assert problem.message.endswith(
+        "fewer than max_num_seqs 20000: with long prompts the rest wait or are preempted; lower max_num_seqs to 2, "
+        "or raise gpu_memory_utilization (if the nodes have the memory free), spread the model over more ranks"
+    )

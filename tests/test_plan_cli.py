@@ -83,3 +83,11 @@ def test_a_bad_kv_flag_in_extra_args_is_a_clean_error(cli, tmp_path: Path) -> No
     assert result.code == 1
     assert "serving.extra_args: --max-num-batched-tokens 'lots' is not a whole number" in result.err
     assert "Traceback" not in result.err
+
+
+def test_calibrate_with_a_missing_log_names_it(cli, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.log"
+    result = cli("plan", "--calibrate", str(missing))
+    assert result.code == 1
+    assert f"--calibrate {missing}: No such file or directory" in result.err
+    assert "Traceback" not in result.err
