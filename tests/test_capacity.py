@@ -626,3 +626,36 @@ def test_concurrency_warning_without_a_length_that_fits_every_sequence() -> None
         "fewer than max_num_seqs 20000: with long prompts the rest wait or are preempted; lower max_num_seqs to 2, "
         "or raise gpu_memory_utilization (if the nodes have the memory free), spread the model over more ranks"
     )
+
+
+def test_calibrate_reads_the_last_start_of_a_restarted_engine() -> None:
+    # A log that holds a failed first start (10.00 GiB available on the head) and then the restarted engine's lines.
+    first_start = _HEAD.format(
+        level="INFO", t="00:30", src="gpu_worker.py:360", msg="Available KV cache memory: 10.00 GiB"
+    )
+    overhead, ranks = calibrate_overhead(first_start + "\n" + _SYNTHETIC_LOG)
+    assert {rank.process: rank.kv_available_bytes for rank in ranks} == {
+        "EngineCore_DP0 pid=412": int(22.23 * GIB),
+        "RayWorkerWrapper pid=233, ip=10.0.0.2": int(22.21 * GIB),
+    }
+    assert (overhead, ranks) == calibrate_overhead(_SYNTHETIC_LOG)
+
+
+def test_calibrate_reads_the_utilization_from_the_cuda_graph_profiling_note() -> None:
+    # Without the DEBUG line and the "non-default args" line, the utilization comes from the note vLLM logs at INFO
+    # after profiling CUDA graphs (gpu_model_runner.profile_cudagraph_memory).
+    note = _HEAD.format(
+        level="INFO",
+        t="12:01",
+        src="gpu_model_runner.py:4420",
+        msg="CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+        "--gpu-memory-utilization=0.9000 is equivalent to --gpu-memory-utilization=0.8870 without CUDA graph memory "
+        "profiling. To maintain the same effective KV cache size as before, increase --gpu-memory-utilization to "
+        "0.9130. To disable, set VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0.",
+    )
+    log = "\n".join(
+        line for line in _SYNTHETIC_LOG.splitlines() if "Requested memory" not in line and "non-default" not in line
+    )
+    overhead, ranks = calibrate_overhead(log + "\n" + note, total_memory_bytes=GB10_TOTAL_MEMORY_BYTES)
+    assert {rank.requested_bytes for rank in ranks} == {117_597_278_306}
+    assert overhead == 117_597_278_306 - int(84.29 * GIB) - int(22.21 * GIB)
