@@ -659,3 +659,47 @@ def test_calibrate_reads_the_utilization_from_the_cuda_graph_profiling_note() ->
     overhead, ranks = calibrate_overhead(log + "\n" + note, total_memory_bytes=GB10_TOTAL_MEMORY_BYTES)
     assert {rank.requested_bytes for rank in ranks} == {117_597_278_306}
     assert overhead == 117_597_278_306 - int(84.29 * GIB) - int(22.21 * GIB)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_hidden_layers": 0}, "ModelShape.num_hidden_layers must be >= 1, got 0"),
+        ({"num_key_value_heads": 0}, "ModelShape.num_key_value_heads must be >= 1, got 0"),
+        ({"head_dim": 0}, "ModelShape.head_dim must be >= 1, got 0"),
+        ({"dtype_bytes": 0}, "ModelShape.dtype_bytes must be >= 1, got 0"),
+        ({"weight_bytes": -1}, "ModelShape.weight_bytes, mtp_layers and sliding_window_layers must be >= 0"),
+        ({"mtp_layers": -1}, "ModelShape.weight_bytes, mtp_layers and sliding_window_layers must be >= 0"),
+        ({"sliding_window_layers": -1}, "ModelShape.weight_bytes, mtp_layers and sliding_window_layers must be >= 0"),
+        (
+            {"sliding_window": 128, "sliding_window_layers": 5},
+            r"ModelShape.sliding_window_layers \(5\) exceeds num_hidden_layers \(4\)",
+        ),
+        ({"max_context": 0}, "ModelShape.max_context must be >= 1, got 0"),
+    ],
+)
+def test_model_shapes_vllm_cannot_have_are_rejected(fields: dict[str, int], message: str) -> None:
+    values = {"num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 1, "weight_bytes": 0, **fields}
+    with pytest.raises(ValueError, match=message):
+        ModelShape(**values)
+
+
+def test_the_smallest_model_shape_is_accepted() -> None:
+    shape = ModelShape(1, 1, 1, 0, dtype_bytes=1, sliding_window=1, sliding_window_layers=1, max_context=1)
+    assert (shape.num_hidden_layers, shape.sliding_window_layers, shape.max_context) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "field", ["tensor_parallel", "pipeline_parallel", "max_num_seqs", "max_num_batched_tokens", "block_size"]
+)
+def test_serve_knobs_below_1_are_rejected(field: str) -> None:
+    values = {"tensor_parallel": 1, "max_model_len": 1_024, "max_num_seqs": 1, field: 0}
+    with pytest.raises(ValueError, match=f"ServeConfig.{field} must be >= 1, got 0"):
+        ServeConfig(**values)  # type: ignore[arg-type]
+
+
+def test_budget_rejects_no_total_memory_and_negative_overhead() -> None:
+    for overrides in ({"total_memory_bytes": 0}, {"overhead_bytes": -1}):
+        with pytest.raises(ValueError, match="total_memory_bytes must be >= 1 and overhead_bytes >= 0"):
+            _spark_budget(**overrides)
+    assert _spark_budget(total_memory_bytes=1, overhead_bytes=0).overhead_bytes == 0
