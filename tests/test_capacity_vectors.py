@@ -268,3 +268,18 @@ def test_extra_args_take_vllms_human_readable_numbers(value: str, expected: int)
 def test_a_kv_flag_without_its_value_is_a_clean_error() -> None:
     with pytest.raises(planning.Hy3SparkError, match=r"^serving.extra_args: --block-size needs a value$"):
         planning.kv_extra_args(["--enforce-eager", "--block_size"])
+
+
+def test_a_spec_with_mtp_and_pipeline_parallel_is_refused_like_vllm() -> None:
+    """vLLM's vector hy3-tp2-pp2-mtp-rejected: the profile's MTP speculative_config with PP > 1 never loads."""
+    message = CASES["hy3-tp2-pp2-mtp-rejected"]["vllm"]["config_error"].split(": ", 1)[1]
+    plan = spec_plan("hy3-two-spark.yml", tensor_parallel=1, pipeline_parallel=2)
+    assert plan.vllm_error == VllmError("NotImplementedError", message)
+    assert [p.code for p in plan.problems] == ["mtp-pp"]
+
+
+def test_a_spec_without_speculative_config_plans_no_draft_layer() -> None:
+    # The profile's 80 layers only: 23,876,052,834 B // 16,384 B // 80 = 18,215 blocks per rank (x 16 tokens).
+    plan = spec_plan("hy3-two-spark.yml", speculative_config=None)
+    assert [row.kv_layers for row in plan.rows] == [80, 80]
+    assert plan.kv_cache_size_line == "GPU KV cache size: 291,440 tokens"
