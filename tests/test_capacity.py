@@ -703,3 +703,18 @@ def test_budget_rejects_no_total_memory_and_negative_overhead() -> None:
         with pytest.raises(ValueError, match="total_memory_bytes must be >= 1 and overhead_bytes >= 0"):
             _spark_budget(**overrides)
     assert _spark_budget(total_memory_bytes=1, overhead_bytes=0).overhead_bytes == 0
+
+
+def test_exactly_the_kv_memory_one_request_needs_is_enough() -> None:
+    # vLLM refuses only when the request needs more than is available: 81 layers x 16,384 B x 8,192 blocks.
+    shape, serve = _hy3(max_num_seqs=1)
+    needed = 81 * 16_384 * 8_192
+    result = plan_from_available(shape, serve, needed)
+    assert (result.vllm_error, result.problems) == (None, ())
+    assert result.rows[0].estimated_max_model_len is None
+    assert result.max_concurrency_line == "Maximum concurrency for 131,072 tokens per request: 1.00x"
+    # One byte less is one block less: 8,191 blocks hold 131,056 tokens.
+    short = plan_from_available(shape, serve, needed - 1)
+    assert short.vllm_error is not None
+    assert (short.vllm_error.rank, short.vllm_error.estimated_max_model_len) == (0, 131_056)
+    assert [row.estimated_max_model_len for row in short.rows] == [131_056, 131_056]
