@@ -718,3 +718,12 @@ def test_exactly_the_kv_memory_one_request_needs_is_enough() -> None:
     assert short.vllm_error is not None
     assert (short.vllm_error.rank, short.vllm_error.estimated_max_model_len) == (0, 131_056)
     assert [row.estimated_max_model_len for row in short.rows] == [131_056, 131_056]
+
+
+def test_parse_kv_lines_reads_the_last_start() -> None:
+    first_start = (
+        "INFO GPU KV cache size: 100,000 tokens\n"
+        "INFO Maximum concurrency for 65,536 tokens per request: 1.53x\n"
+    )
+    lines = parse_kv_lines(first_start + _SYNTHETIC_LOG)
+    assert (lines.kv_cache_tokens, lines.max_model_len, lines.max_concurrency) == (287_568, 131_072, 2.19)
