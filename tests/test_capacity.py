@@ -727,3 +727,23 @@ def test_parse_kv_lines_reads_the_last_start() -> None:
     )
     lines = parse_kv_lines(first_start + _SYNTHETIC_LOG)
     assert (lines.kv_cache_tokens, lines.max_model_len, lines.max_concurrency) == (287_568, 131_072, 2.19)
+
+
+def test_the_suggested_utilization_is_the_largest_that_fits() -> None:
+    # 86.95 GB free of 100 GB: 0.86 fits (86 GB) and 0.87 does not (87 GB), so 0.86, not a rounded 0.8695.
+    shape, serve = _hy3(max_num_seqs=1)
+    budget = _spark_budget(total_memory_bytes=100_000_000_000, free_memory_bytes=86_950_000_000)
+    problem = plan(shape, serve, budget).problems[0]
+    assert "lower gpu_memory_utilization to 0.86 (which also shrinks the KV cache)" in problem.message
+
+
+def test_one_byte_of_kv_memory_fails_the_length_check_not_the_no_memory_check() -> None:
+    # vLLM raises "No available memory" only for <= 0 bytes; 1 byte fails the one-request check with an estimate of 0.
+    shape, serve = _hy3(max_num_seqs=1)
+    result = plan_from_available(shape, serve, 1)
+    assert result.vllm_error is not None
+    assert result.vllm_error.message.startswith("To serve at least one request with the model's max seq len (131072)")
+    assert (result.vllm_error.rank, result.vllm_error.estimated_max_model_len) == (0, 0)
+    (problem,) = result.problems
+    assert problem.code == "max-model-len"
+    assert "not even a one-token request fits on rank 0" in problem.message
