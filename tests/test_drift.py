@@ -4,14 +4,17 @@ The role itself runs in molecule/site (re-run in sync, forced full run, a hand e
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
 import pwd
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -482,3 +485,211 @@ def test_the_module_records_and_compares_in_a_playbook(node: Path) -> None:
     assert (r["other"]["in_sync"], r["other"]["differs"]) == (
         False, ["inputs (the spec, a role input, a secret or hy3spark's own code changed)"])
     assert (r["edited"]["in_sync"], r["edited"]["differs"]) == (False, [f"files {node}/netplan.yaml (sha256)"])
+
+
+# --- what drift names when something comes back, and what it cannot see ----------------------------------------------
+def test_what_was_missing_at_the_last_run_and_is_back_is_named(drift: ModuleType, world: World) -> None:
+    content = world.netplan.read_text()
+    world.netplan.unlink()
+    image, container = world.data["images"].pop(REF), world.data["containers"].pop(CONTAINER)
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    world.netplan.write_text(content)
+    world.data["images"][REF], world.data["containers"][CONTAINER] = image, container
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [
+        f"containers {CONTAINER} (was missing)", f"files {world.netplan} (was missing)", f"images {REF} (was missing)",
+        f"processes {CONTAINER}"]
+
+
+def test_a_kind_the_record_has_and_the_watch_no_longer_names_is_gone(drift: ModuleType, world: World) -> None:
+    """A record written while another set of kinds was watched: every name of a kind on one side only is named."""
+    state = world.observe(drift)
+    without_user_files = {kind: names for kind, names in state.items() if kind != "user_files"}
+    ssh, keys = world.user_paths
+    assert drift.compare({"inputs": INPUTS, "state": state}, INPUTS, without_user_files) == [
+        f"user_files {ssh} (gone)", f"user_files {keys} (gone)"]
+    assert drift.compare({"inputs": INPUTS, "state": without_user_files}, INPUTS, state) == [
+        f"user_files {ssh} (new)", f"user_files {keys} (new)"]
+
+
+def test_the_engine_as_the_containers_first_process_is_watched(drift: ModuleType, world: World) -> None:
+    """A container whose command is the engine itself: `docker top` lists it right under the header."""
+    world.data["top"][CONTAINER] = [f"1                   Tue                 Dec 1 10:00:05 2026 python3 -m {ENGINE}"]
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    assert record["state"]["processes"] == {CONTAINER: ["1 Tue Dec 1 10:00:05 2026"]}
+    world.data["top"][CONTAINER] = []
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [f"processes {CONTAINER}"]
+
+
+def test_a_unit_whose_main_process_just_exited_is_observed_without_its_argv(drift: ModuleType, world: World) -> None:
+    pid = world.start_unit(["-m", "4", "-s", "100"])
+    world.unit_processes[-1].kill()
+    world.unit_processes[-1].wait()
+    world.data["units"][UNIT]["MainPID"] = pid
+    assert world.observe(drift)["units"] == {UNIT: {"active": "active", "enabled": "enabled", "argv": None}}
+
+
+def test_a_node_without_docker_or_iproute2_names_them_missing(drift: ModuleType, world: World,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `docker` or `ip` on PATH: what they would show is missing (a comparison, not a failed check)."""
+    empty = world.root / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    watch = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
+             "processes": [{"container": CONTAINER, "match": ENGINE}]}
+    assert drift.observe(watch) == {"files": {}, "trees": {}, "units": {}, "models": {},
+                                    "interfaces": {IFACE: "missing"}, "images": {REF: "missing"},
+                                    "containers": {CONTAINER: "missing"},
+                                    "processes": {CONTAINER: "container not running"}}
+
+
+def test_a_hung_docker_is_named_missing_not_waited_for(drift: ModuleType, world: World,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docker CLI stuck on its daemon: the call times out (here after 0.5 s instead of 60) and drift goes on."""
+    (world.root / "bin/docker").write_text("#!/bin/sh\nsleep 30\n")
+    real_run = subprocess.run
+    monkeypatch.setattr(drift.subprocess, "run", lambda argv, **kw: real_run(argv, **{**kw, "timeout": 0.5}))
+    monkeypatch.setenv("PATH", world.path)
+    assert drift.observe({"images": [REF], "containers": [CONTAINER]}) == {
+        "files": {}, "trees": {}, "units": {}, "models": {}, "interfaces": {}, "processes": {},
+        "images": {REF: "missing"}, "containers": {CONTAINER: "missing"}}
+
+
+def test_a_linked_directory_in_the_model_cache_is_watched_by_its_target(drift: ModuleType, world: World) -> None:
+    """os.walk does not enter a linked directory: drift records the link itself, and a relink is named."""
+    (world.hub / "blobs/shards").mkdir()
+    (world.hub / "blobs/shards/part-1").write_bytes(b"w1")
+    link = world.hub / "snapshots/rev/shards"
+    os.symlink("../../blobs/shards", link)
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    entries = record["state"]["models"][str(world.hub)]
+    assert entries["snapshots/rev/shards"]["link"] == "../../blobs/shards"
+    assert "snapshots/rev/shards/part-1" not in entries and "blobs/shards/part-1" in entries
+    link.unlink()
+    os.symlink("../../blobs/other", link)
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [f"models {world.hub}/snapshots/rev/shards (link)"]
+
+
+def test_a_models_own_hidden_folder_is_model_content(drift: ModuleType, world: World) -> None:
+    """Only the hub's .no_exist markers are left out: a repo's own dot-folder (.eval, .github) is model content."""
+    (world.hub / "snapshots/rev/.eval").mkdir()
+    (world.hub / "snapshots/rev/.eval/results.json").write_text("{}\n")
+    record = {"inputs": INPUTS, "state": world.observe(drift)}
+    (world.hub / "snapshots/rev/.eval/results.json").unlink()
+    assert drift.compare(record, INPUTS, world.observe(drift)) == [
+        f"models {world.hub}/snapshots/rev/.eval/results.json (gone)"]
+
+
+# --- the module's own interface: its arguments in, its JSON result out (as Ansible runs it, without a playbook) -------
+MODULE = ROOT / "plugins/modules/hy3spark_drift.py"
+
+
+def run_module(tmp: Path, watch: dict, *, state: str = "compared", inputs: str = INPUTS, check_mode: bool = False,
+               record: Path | None = None) -> dict:
+    args = tmp / "args.json"
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {
+        "watch": watch, "record": str(record or tmp / "state/deployed.json"), "inputs": inputs, "state": state,
+        "_ansible_check_mode": check_mode}}))
+    proc = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    result.pop("invocation", None)
+    return result
+
+
+def test_a_comparison_never_reports_a_change(node: Path) -> None:
+    watch = {"files": [str(node / "netplan.yaml")]}
+    assert run_module(node, watch) == {
+        "changed": False, "in_sync": False, "differs": ["no record (no complete site.yml run on this node yet)"]}
+    run_module(node, watch, state="recorded")
+    (node / "netplan.yaml").write_text("network: {version: 2}\n")
+    assert run_module(node, watch) == {
+        "changed": False, "in_sync": False, "differs": [f"files {node}/netplan.yaml (sha256)"]}
+
+
+def test_recording_again_after_a_change_rewrites_the_record(node: Path) -> None:
+    watch, record = {"files": [str(node / "netplan.yaml")]}, node / "state/deployed.json"
+    assert run_module(node, watch, state="recorded") == {"changed": True}
+    assert stat.S_IMODE(record.parent.stat().st_mode) == 0o755, "the state directory: root writes, all read"
+    (node / "netplan.yaml").write_text("network: {version: 2}\n")
+    assert run_module(node, watch, state="recorded", check_mode=True) == {"changed": True}
+    assert run_module(node, watch) == {"changed": False, "in_sync": False,
+                                       "differs": [f"files {node}/netplan.yaml (sha256)"]}, "check mode wrote nothing"
+    assert run_module(node, watch, state="recorded") == {"changed": True}
+    assert run_module(node, watch) == {"changed": False, "in_sync": True, "differs": []}
+    assert (stat.S_IMODE(record.stat().st_mode), sorted(p.name for p in record.parent.iterdir())) == (
+        0o600, ["deployed.json"])
+
+
+def test_a_record_others_can_read_is_rewritten_0600(node: Path) -> None:
+    watch, record = {"files": [str(node / "netplan.yaml")]}, node / "state/deployed.json"
+    run_module(node, watch, state="recorded")
+    content = record.read_text()
+    record.chmod(0o644)
+    assert run_module(node, watch, state="recorded") == {"changed": True}
+    assert (stat.S_IMODE(record.stat().st_mode), record.read_text()) == (0o600, content)
+    assert run_module(node, watch, state="recorded") == {"changed": False}
+
+
+def test_the_record_does_not_depend_on_the_order_of_the_watched_names(node: Path) -> None:
+    first, second = str(node / "netplan.yaml"), str(node / "etc/node.env")
+    assert run_module(node, {"files": [first, second]}, state="recorded") == {"changed": True}
+    assert run_module(node, {"files": [second, first]}, state="recorded") == {"changed": False}
+
+
+def test_an_unreadable_record_is_named(node: Path) -> None:
+    record = node / "state/deployed.json"
+    record.mkdir(parents=True)  # something that is not a file where the record belongs
+    assert run_module(node, {"files": [str(node / "netplan.yaml")]}, record=record) == {
+        "changed": False, "in_sync": False, "differs": [f"the record {record} is unreadable"]}
+
+
+def test_a_record_that_cannot_be_replaced_stays_and_leaves_no_temporary_file(drift: ModuleType, tmp_path: Path
+                                                                            ) -> None:
+    state = tmp_path / "state"
+    (state / "deployed.json").mkdir(parents=True)  # rename(2) of a file onto a directory fails
+    with pytest.raises(IsADirectoryError):
+        drift.write_record(str(state / "deployed.json"), '{"inputs": "x"}\n')
+    assert sorted(p.name for p in state.iterdir()) == ["deployed.json"]
+    assert (state / "deployed.json").is_dir()
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    """The engine's /health: 200 when it serves, 503 while it loads."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 503)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def engine() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_engine_health_is_its_http_status_or_why_it_did_not_answer(drift: ModuleType, engine: str) -> None:
+    assert drift.health(f"{engine}/health") == 200
+    assert drift.health(f"{engine}/loading") == 503
+    assert drift.health(f"http://127.0.0.1:{closed_port()}/health") == "[Errno 111] Connection refused"
+    assert drift.health("head:8000/health") == "unknown url type: head", "a URL without its scheme"
+
+
+def test_the_module_returns_health_only_when_asked(node: Path, engine: str) -> None:
+    watch = {"files": [str(node / "netplan.yaml")]}
+    assert "health" not in run_module(node, watch)
+    assert "health" not in run_module(node, {**watch, "health": ""}), "a worker: the role passes no URL"
+    assert run_module(node, {**watch, "health": f"{engine}/health"})["health"] == 200

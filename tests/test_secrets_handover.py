@@ -14,6 +14,7 @@ on (or interrupts it as Ctrl+C would).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -416,3 +417,54 @@ def test_a_playbook_run_stops_at_a_readable_file_naming_its_mode(tmp_path: Path,
     assert proc.returncode != 0
     assert f"{path} is readable by others (mode 0644); it must be 0600" in proc.stdout + proc.stderr
     assert values["HF_TOKEN"] not in proc.stdout + proc.stderr
+
+
+# --- what the hand-over and the lookup do at their edges -------------------------------------------------------------
+def test_a_secret_the_user_did_not_export_is_left_out_of_the_file(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster without an API key: only HF_TOKEN is handed over, and VLLM_API_KEY stays unset afterwards."""
+    token = f"hf_{secrets.token_hex(16)}"
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with secrets_handover(NAMES) as handover:
+        path = Path(handover["HY3SPARK_SECRETS_FILE"])
+        assert [n for n in NAMES if n in os.environ] == []
+        assert path.read_text() == f"HF_TOKEN={token}\n"
+    assert (os.environ.get("HF_TOKEN"), os.environ.get("VLLM_API_KEY")) == (token, None)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o601, 0o610, 0o602, 0o606], ids=lambda mode: f"{mode:04o}")
+def test_the_lookup_refuses_any_permission_for_group_or_others(lookup, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch, mode: int) -> None:
+    values = fresh_secrets()
+    path = secrets_file(tmp_path, mode, monkeypatch, values)
+    with pytest.raises(AnsibleError) as info:
+        lookup.run(["HF_TOKEN"], variables={})
+    assert f"{path} is readable by others (mode {mode:04o}); it must be 0600" in str(info.value)
+
+
+
+def test_a_handover_file_that_cannot_be_created_reports_why_and_leaves_nothing(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """The file's creation fails (here: no file descriptor left): that error reaches the user, the directory goes,
+    and the secrets are back in the environment."""
+    values = fresh_secrets()
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real_open = os.open
+
+    def no_descriptor_left(path: str | os.PathLike[str], flags: int, mode: int = 0o777) -> int:
+        if Path(path).name == "secrets.env":
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_descriptor_left)
+    with pytest.raises(OSError) as info, secrets_handover(NAMES):
+        pass
+    assert info.value.errno == errno.EMFILE
+    assert list(tmp_path.iterdir()) == []
+    assert {name: os.environ.get(name) for name in values} == values
