@@ -283,3 +283,10 @@ def test_a_spec_without_speculative_config_plans_no_draft_layer() -> None:
     plan = spec_plan("hy3-two-spark.yml", speculative_config=None)
     assert [row.kv_layers for row in plan.rows] == [80, 80]
     assert plan.kv_cache_size_line == "GPU KV cache size: 291,440 tokens"
+
+
+def test_a_kv_flag_anywhere_in_extra_args_takes_the_next_argument() -> None:
+    assert planning.kv_extra_args(["--enforce-eager", "--block-size", "32", "--max-num-batched-tokens", "4096"]) == {
+        "block_size": 32,
+        "max_num_batched_tokens": 4096,
+    }

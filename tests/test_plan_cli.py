@@ -91,3 +91,13 @@ def test_calibrate_with_a_missing_log_names_it(cli, tmp_path: Path) -> None:
     assert result.code == 1
     assert f"--calibrate {missing}: No such file or directory" in result.err
     assert "Traceback" not in result.err
+
+
+def test_calibrate_from_an_info_log_takes_requested_memory_from_the_spec(cli, tmp_path: Path) -> None:
+    """Without vLLM's DEBUG 'Requested memory' line: ceil(0.90 x the spec's 121.69 GiB) = 117,597,278,306 B."""
+    log = tmp_path / "vllm.log"
+    log.write_text("\n".join(line for line in _SYNTHETIC_LOG.splitlines() if "Requested memory" not in line))
+    result = cli("plan", "--calibrate", str(log))
+    assert result.code == 0
+    # 117,597,278,306 B - 84.29 GiB - 22.21 GiB = 3.02 GiB on the worker, the larger of the two.
+    assert f"overhead: 3.02 GiB per rank (calibrated from {log})" in result.out
