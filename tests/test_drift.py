@@ -686,6 +686,7 @@ def test_the_engine_health_is_its_http_status_or_why_it_did_not_answer(drift: Mo
     assert drift.health(f"{engine}/loading") == 503
     assert drift.health(f"http://127.0.0.1:{closed_port()}/health") == "[Errno 111] Connection refused"
     assert drift.health("head:8000/health") == "unknown url type: head", "a URL without its scheme"
+    assert drift.health("head/health") == "unknown url type: 'head/health'"
 
 
 def test_the_module_returns_health_only_when_asked(node: Path, engine: str) -> None:
@@ -693,3 +694,13 @@ def test_the_module_returns_health_only_when_asked(node: Path, engine: str) -> N
     assert "health" not in run_module(node, watch)
     assert "health" not in run_module(node, {**watch, "health": ""}), "a worker: the role passes no URL"
     assert run_module(node, {**watch, "health": f"{engine}/health"})["health"] == 200
+
+
+def test_a_configured_address_of_any_scope_but_link_is_watched(drift: ModuleType, world: World) -> None:
+    """Scopes as iproute2 prints them: only link-local addresses (and dynamic ones) come and go by themselves."""
+    world.data["links"][IFACE]["addr_info"] += [
+        {"family": "inet6", "local": "fec0::2", "prefixlen": 10, "scope": "site"},
+        {"family": "inet", "local": "10.0.0.3", "prefixlen": 32, "scope": "host"},
+    ]
+    assert world.observe(drift)["interfaces"] == {
+        IFACE: {"mtu": 9000, "addresses": ["10.0.0.2/24", "10.0.0.3/32", "fec0::2/10"]}}
