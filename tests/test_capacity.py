@@ -747,3 +747,23 @@ def test_one_byte_of_kv_memory_fails_the_length_check_not_the_no_memory_check() 
     (problem,) = result.problems
     assert problem.code == "max-model-len"
     assert "not even a one-token request fits on rank 0" in problem.message
+
+
+def test_pp_gives_a_remainder_of_one_layer_to_the_first_stage() -> None:
+    # get_pp_indices: 61 layers over 2 stages -> 30 each, the remainder to the stage before the last: 31, 30.
+    shape = ModelShape(num_hidden_layers=61, num_key_value_heads=8, head_dim=128, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=1, pipeline_parallel=2, max_model_len=32_768, max_num_seqs=1)
+    result = plan_from_available(shape, serve, 8 * GIB)
+    assert [row.kv_layers for row in result.rows] == [31, 30]
+    # page = 16 x 8 x 2 x 128 x 2 B = 65,536 B: 8 GiB // 65,536 // 31 = 4,228 blocks on the fuller stage.
+    assert [row.num_blocks for row in result.rows] == [4_228, 4_369]
+    assert result.num_blocks == 4_228
+
+
+def test_sliding_window_blocks_count_the_window_minus_one_token() -> None:
+    # SlidingWindowSpec: min(window - 1 + max_num_batched_tokens, max_model_len) tokens; with a 4,097-token batch
+    # that is 127 + 4,097 = 4,224 = 264 whole blocks, + 1 for a window that need not start on a block boundary.
+    serve = ServeConfig(tensor_parallel=1, max_model_len=131_072, max_num_seqs=1, max_num_batched_tokens=4_097)
+    result = plan_from_available(_gpt_oss(), serve, 10 * GIB)
+    assert [(g.kind, g.blocks_per_request) for g in result.groups] == [("sliding", 265), ("full", 8_192)]
+    assert result.kv_cache_size_line == "GPU KV cache size: 282,137 tokens"
