@@ -704,3 +704,29 @@ def test_a_configured_address_of_any_scope_but_link_is_watched(drift: ModuleType
     ]
     assert world.observe(drift)["interfaces"] == {
         IFACE: {"mtu": 9000, "addresses": ["10.0.0.2/24", "10.0.0.3/32", "fec0::2/10"]}}
+
+
+def test_tools_killed_by_a_signal_are_named_missing(drift: ModuleType, world: World,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """docker or ip killed mid-call (the OOM killer: a negative return code) showed nothing: missing, not a crash."""
+    (world.root / "bin/docker").write_text("#!/bin/sh\nkill -9 $$\n")
+    # ip printed its JSON before it died: output of a killed tool is not trusted either.
+    link = json.dumps([world.data["links"][IFACE]])
+    (world.root / "bin/ip").write_text(f"#!/bin/sh\nprintf '%s\\n' '{link}'\nkill -9 $$\n")
+    monkeypatch.setenv("PATH", world.path)
+    watch = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
+             "processes": [{"container": CONTAINER, "match": ENGINE}]}
+    assert drift.observe(watch) == {"files": {}, "trees": {}, "units": {}, "models": {},
+                                    "interfaces": {IFACE: "missing"}, "images": {REF: "missing"},
+                                    "containers": {CONTAINER: "missing"},
+                                    "processes": {CONTAINER: "container not running"}}
+
+
+def test_the_module_names_a_missing_argument(node: Path) -> None:
+    args = node / "args.json"
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {}}))
+    proc = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=120,
+                          check=False)
+    result = json.loads(proc.stdout)
+    assert (proc.returncode, result["failed"], result["msg"]) == (
+        1, True, "missing required arguments: inputs, record, watch")
