@@ -767,3 +767,28 @@ def test_sliding_window_blocks_count_the_window_minus_one_token() -> None:
     result = plan_from_available(_gpt_oss(), serve, 10 * GIB)
     assert [(g.kind, g.blocks_per_request) for g in result.groups] == [("sliding", 265), ("full", 8_192)]
     assert result.kv_cache_size_line == "GPU KV cache size: 282,137 tokens"
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "expected"),
+    [("auto", 4), ("bfloat16", 2), ("float16", 2), ("fp8", 1), ("fp8_e4m3", 1), ("fp8_e5m2", 1), ("fp8_inc", 1)],
+)
+def test_kv_dtype_bytes_of_a_float32_model(kv_cache_dtype: str, expected: int) -> None:
+    # "auto" keeps the model's dtype; a named KV dtype sets its own size whatever the model's.
+    assert kv_dtype_bytes(kv_cache_dtype, 4) == expected
+
+
+def test_the_shortest_max_model_len_is_accepted() -> None:
+    assert ServeConfig(tensor_parallel=1, max_model_len=1, max_num_seqs=1).max_model_len == 1
+
+
+def test_a_rank_that_fits_no_token_is_the_one_named_even_after_one_that_fits_one() -> None:
+    # --block-size 1, a 4-byte page: rank 0 has one block (a one-token request fits), rank 1 has 3 bytes, no block.
+    # vLLM stops at rank 0, but no length fits every rank, so there is no length to suggest.
+    shape = ModelShape(num_hidden_layers=1, num_key_value_heads=1, head_dim=1, weight_bytes=0)
+    serve = ServeConfig(tensor_parallel=2, max_model_len=1_024, max_num_seqs=1, block_size=1)
+    result = plan_from_available(shape, serve, [4, 3])
+    assert [row.estimated_max_model_len for row in result.rows] == [1, 0]
+    assert result.vllm_error is not None and result.vllm_error.rank == 0
+    (problem,) = result.problems
+    assert "(concurrency 0.00x < 1); not even a one-token request fits on rank 1: raise" in problem.message
