@@ -346,8 +346,6 @@ def _check_fabric(spec: Spec) -> list[Problem]:
             problems.append((("fabric", "hcas", i),
                              f"{name!r} does not look like an RDMA device name (rocep1s0f1, roceP2p1s0f1, mlx5_0); "
                              "list the HCAs that `ibdev2netdev` maps to the cabled port"))
-    if spec.fabric.mtu < 9000 and spec.multi_node:
-        pass  # allowed (test fabrics, switches without jumbo frames); preflight reports the cost
     return problems
 
 
