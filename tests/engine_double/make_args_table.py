@@ -14,12 +14,13 @@ probes stay in the fixture: the tests replay them, the double does not need them
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import derived_table
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE.parent / "fixtures" / "vllm-0.23.0" / "serve-args.json"
@@ -80,20 +81,5 @@ def render(table: dict[str, Any]) -> str:
     return head.removesuffix("\n}") + ',\n "options": [\n' + options + "\n ]\n}\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the table is stale")
-    args = parser.parse_args()
-    text = render(build_table())
-    if args.check:
-        if TABLE.read_text() != text:
-            print(f"{TABLE} is stale: run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    TABLE.write_text(text)
-    print(f"wrote {TABLE}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(derived_table.main(__doc__, TABLE, lambda: render(build_table()), Path(__file__).name))

@@ -16,12 +16,13 @@ never resolved (it refused the flags first) is left out of ``config``, so it mat
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import derived_table
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE.parent / "fixtures" / "vllm-0.23.0" / "kv-cases.json"
@@ -131,20 +132,5 @@ def render(table: dict[str, Any]) -> str:
     return json.dumps(table, indent=1) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the table is stale")
-    args = parser.parse_args()
-    text = render(build_table())
-    if args.check:
-        if TABLE.read_text() != text:
-            print(f"{TABLE} is stale: run {Path(__file__).name}", file=sys.stderr)
-            return 1
-        return 0
-    TABLE.write_text(text)
-    print(f"wrote {TABLE}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(derived_table.main(__doc__, TABLE, lambda: render(build_table()), Path(__file__).name))
