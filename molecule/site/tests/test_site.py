@@ -234,34 +234,6 @@ def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
     assert API_KEY not in out
 
 
-def test_the_installed_collection_runs_site_by_full_name() -> None:
-    # The collection as an ops engineer installs it (ansible-galaxy build + install), run by full name with none of
-    # the checkout's role or plugin paths: every task must come from the installed copy.
-    work = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "collection"
-    work.mkdir(exist_ok=True)
-    build = subprocess.run(["ansible-galaxy", "collection", "build", "--force", "--output-path", str(work), str(REPO)],
-                           capture_output=True, text=True, check=False)
-    assert build.returncode == 0, build.stdout + build.stderr
-    (tarball,) = work.glob("hy3spark-cluster-*.tar.gz")
-    installed = work / "collections"
-    subprocess.run(["ansible-galaxy", "collection", "install", "--force", "-p", str(installed), str(tarball)],
-                   capture_output=True, text=True, check=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ANSIBLE_ROLES_PATH", "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")}
-    env.update(ANSIBLE_COLLECTIONS_PATH=str(installed), ANSIBLE_NOCOLOR="1", COLUMNS="1000")
-    result = subprocess.run(["ansible-playbook", "-i", str(Path(scenario.INVENTORY).parent), "-vv",
-                             "hy3spark.cluster.site"], cwd=work, env=env, capture_output=True, text=True,
-                            timeout=900, check=False)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-20000:]
-    assert recap(out) == {HEAD: 0, WORKER: 0}, out[-20000:]
-    paths = re.findall(r"^task path: (\S+):\d+$", out, re.M)
-    collection = str(installed / "ansible_collections" / "hy3spark" / "cluster")
-    assert paths and all(path.startswith(collection) for path in paths), sorted(set(paths))[:5]
-    assert API_KEY not in out
-    test_idempotent_run_left_the_engine_and_containers_alone()
-
-
 def test_forced_full_run_changes_and_restarts_nothing() -> None:
     result = playbook(str(SCENARIO / "converge.yml"), "-e", "drift_full_run=true")
     out = result.stdout + result.stderr
@@ -378,9 +350,10 @@ def test_fault_nccl_falls_back_to_sockets_on_the_worker() -> None:
     assert f"fatal: [{HEAD}]" in out, out
     assert "4 channel(s) go over NET/Socket, NCCL's TCP fallback, instead of RDMA" in text, out
     # Every listed channel touches the worker; the head's own rank kept RDMA.
-    sockets = re.findall(r"channel \d+: rank (\d) -> rank (\d) \((\S+) -> (\S+)\)[^\n]*via NET/Socket/0", out)
+    # The listing prints once in the task's message and once more in the failure summary: count distinct lines.
+    sockets = set(re.findall(r"channel \d+: rank \d -> rank \d \(\S+ -> \S+\) \[\w+\] via NET/Socket/0", out))
     assert len(sockets) == 4, out
-    assert all(WORKER in (src, dst) for _, _, src, dst in sockets), out
+    assert all(f"{WORKER} ->" in line or f"-> {WORKER})" in line for line in sockets), out
     assert API_KEY not in out
     result = playbook(str(SCENARIO / "converge.yml"))
     out = result.stdout + result.stderr
