@@ -12,6 +12,8 @@ import json
 import shlex
 from typing import Any
 
+from typing_extensions import TypedDict
+
 from hy3spark import __version__
 from hy3spark.engines import engine_for
 from hy3spark.spec import Loaded, Node, Spec
@@ -22,6 +24,161 @@ CONFIG_DIR = "/etc/hy3spark"
 LOG_DIR = "/var/log/hy3spark"
 STATE_DIR = "/var/lib/hy3spark"
 SERVE_LOG = f"{LOG_DIR}/serve.log"
+# The serve script's first line at each engine start (templates/serve.sh.j2 prints it): everything logged after
+# the last such line belongs to the running engine. The roles, `hy3spark logs` and status split the log on it.
+ENGINE_START = "hy3spark: starting "
+
+
+# The context's shape. Every key a template, role or playbook reads (`hy3spark.x.y`, `hy3spark_node.x`) is declared
+# here, and tests/test_context_keys.py fails on a read of an undeclared key and on a build_context() result that
+# does not match these types. Values stay plain data (they are written into the inventory as YAML).
+class Paths(TypedDict):
+    config_dir: str
+    log_dir: str
+    state_dir: str
+    node_env: str
+    secrets_env: str
+    serve_script: str
+    serve_log: str
+    vllm_config_root: str
+
+
+class Fabric(TypedDict):
+    interfaces: list[str]
+    interface: str
+    hcas: list[str]
+    mtu: int
+    prefix: int
+    subnet: str
+    head_ip: str
+
+
+class Image(TypedDict):
+    ref: str
+    digest: str | None
+    worker_source: str
+
+
+class Model(TypedDict):
+    repo: str
+    revision: str
+    cache_dir: str
+    repo_dir: str
+    size_bytes: int | None
+    token_env: str | None
+
+
+class Serving(TypedDict):
+    engine: str
+    served_name: str
+    host: str
+    port: int
+    # What clients use (the Pi config, bench, status from the controller): the bound address, or the head's
+    # fabric address when the engine binds every address.
+    base_url: str
+    # What the head itself probes (readiness, the smoke completion, drift's health check): the bound address, or
+    # loopback when the engine binds every address. No /v1 suffix: /health sits at the root.
+    probe_url: str
+    start_marker: str
+    tensor_parallel: int
+    pipeline_parallel: int
+    max_model_len: int
+    max_num_seqs: int
+    api_key_env: str | None
+    verify_transport: bool
+    health_timeout_s: int
+    argv: list[str]
+    command: str
+    non_carry_over_env: list[str]
+
+
+class Ray(TypedDict):
+    port: int
+    version: str | None
+    dashboard: str
+    address: str
+
+
+class Earlyoom(TypedDict):
+    policy: str
+    args: str
+
+
+class Plan(TypedDict):
+    requested_bytes: int
+    kv_cache_tokens: int | None
+    max_concurrency: float | None
+    kv_cache_size_line: str | None
+    max_concurrency_line: str | None
+    overhead_source: str
+    errors: list[str]
+    warnings: list[str]
+
+
+class Group(TypedDict):
+    """`hy3spark` in group_vars/all: what every node shares."""
+    version: str
+    managed: str
+    cluster: str
+    profile: str | None
+    spec_sha256: str
+    spec_path: str | None
+    paths: Paths
+    head: str
+    workers: list[str]
+    node_order: list[str]
+    node_count: int
+    gpu_count: int
+    fabric: Fabric
+    image: Image
+    model: Model
+    serving: Serving
+    # The engine's secrets: the variable the engine reads on the head -> the NAME of the variable that holds it
+    # on the controller (or in the CLI's secrets file; the hy3spark_secret lookup reads it). Only set ones appear.
+    secrets: dict[str, str]
+    ray: Ray
+    earlyoom: Earlyoom
+    plan: Plan
+    pi_models: dict[str, Any]
+    pi_settings: dict[str, Any]
+
+
+class Container(TypedDict):
+    name: str
+    role: str
+    image: str
+    command: list[str]
+    network_mode: str
+    ipc_mode: str
+    shm_size: str | None
+    gpus: bool
+    ulimits: list[str]
+    volumes: list[str]
+    env_file: str
+    optional_devices: list[str]
+    labels: dict[str, str]
+    restart_policy: str
+
+
+class NodeContext(TypedDict):
+    """`hy3spark_node` in host_vars/<node>: what differs per node."""
+    name: str
+    role: str
+    index: int
+    fabric_ip: str
+    fabric_cidr: str
+    gpus: int
+    mgmt_ip: str | None
+    ssh_host: str
+    ssh_user: str
+    env: dict[str, str]
+    container: Container
+    docker_run: str
+
+
+class Context(TypedDict):
+    hy3spark: Group
+    nodes: dict[str, NodeContext]
 
 
 def _env_for(spec: Spec, node: Node) -> dict[str, str]:
@@ -80,7 +237,7 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
     return [*argv, "--block"]
 
 
-def _container_for(spec: Spec, node: Node, head: bool) -> dict[str, Any]:
+def _container_for(spec: Spec, node: Node, head: bool) -> Container:
     """A Ray node container described as data; the ray_head/ray_worker roles turn it into a container."""
     role = "head" if head else "worker"
     mounts = [
@@ -108,7 +265,7 @@ def _container_for(spec: Spec, node: Node, head: bool) -> dict[str, Any]:
     }
 
 
-def docker_run_line(container: dict[str, Any]) -> str:
+def docker_run_line(container: Container) -> str:
     """The `docker run` equivalent of a container definition, for people who think in docker run."""
     args = ["docker", "run", "-d", "--name", container["name"], "--network", container["network_mode"],
             "--ipc", container["ipc_mode"]]
@@ -162,14 +319,25 @@ def _pi_models(spec: Spec, base_url: str) -> dict[str, Any]:
     }
 
 
-def build_context(loaded: Loaded) -> dict[str, Any]:
+def client_url(spec: Spec) -> str:
+    """The OpenAI base URL clients use: the bound address, or the head's fabric address when it binds them all."""
+    host = str(spec.head.fabric_ip.ip) if spec.serving.host.is_unspecified else str(spec.serving.host)
+    return f"http://{host}:{spec.serving.port}/v1"
+
+
+def probe_url(spec: Spec) -> str:
+    """The engine's root URL as the head itself reaches it: the bound address, or loopback when it binds them all."""
+    host = "127.0.0.1" if spec.serving.host.is_unspecified else str(spec.serving.host)
+    return f"http://{host}:{spec.serving.port}"
+
+
+def build_context(loaded: Loaded) -> Context:
     """Everything group-wide (`hy3spark`) and per node (`nodes[name]` -> host var `hy3spark_node`)."""
     spec = loaded.spec
     engine = engine_for(spec)
     head_ip = str(spec.head.fabric_ip.ip)
-    client_host = head_ip if spec.serving.host.is_unspecified else str(spec.serving.host)
-    base_url = f"http://{client_host}:{spec.serving.port}/v1"
-    nodes: dict[str, dict[str, Any]] = {}
+    base_url = client_url(spec)
+    nodes: dict[str, NodeContext] = {}
     for i, node in enumerate(spec.nodes):
         head = i == 0
         container = _container_for(spec, node, head)
@@ -240,6 +408,8 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             "host": str(spec.serving.host),
             "port": spec.serving.port,
             "base_url": base_url,
+            "probe_url": probe_url(spec),
+            "start_marker": ENGINE_START,
             "tensor_parallel": spec.serving.tensor_parallel,
             "pipeline_parallel": spec.serving.pipeline_parallel,
             "max_model_len": spec.serving.max_model_len,
@@ -254,6 +424,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
             # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.
             "non_carry_over_env": sorted({k for k in nodes[spec.head.name]["env"] if _per_node_env(k)} | SECRET_ENV),
         },
+        "secrets": engine.secret_env(),
         "ray": {
             "port": spec.ray.port,
             "version": spec.ray.version,
@@ -276,7 +447,7 @@ def build_context(loaded: Loaded) -> dict[str, Any]:
     return {"hy3spark": group, "nodes": nodes}
 
 
-def plan_summary(loaded: Loaded) -> dict[str, Any]:
+def plan_summary(loaded: Loaded) -> Plan:
     from hy3spark import planning
 
     overhead = planning.overhead_for(loaded, None, None)
@@ -293,7 +464,7 @@ def plan_summary(loaded: Loaded) -> dict[str, Any]:
     }
 
 
-# The variables the serve script exports from the 0600 secrets file (roles/vllm_serve/vars/main.yml).
+# Every variable the serve script may export from the 0600 secrets file (secret_env's keys; roles/vllm_serve).
 SECRET_ENV = frozenset({"VLLM_API_KEY", "HF_TOKEN"})
 
 

@@ -17,6 +17,8 @@ class Engine(Protocol):
 
     def serve_argv(self) -> list[str]: ...
 
+    def secret_env(self) -> dict[str, str]: ...
+
 
 _ENGINES: dict[str, type[VllmEngine]] = {"vllm": VllmEngine}
 

@@ -13,6 +13,12 @@ class VllmEngine:
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
 
+    def secret_env(self) -> dict[str, str]:
+        """Its secrets on the head -> the NAME of the controller's variable holding each; only the set ones.
+        vLLM reads the API key from VLLM_API_KEY and huggingface_hub the token from HF_TOKEN."""
+        wanted = {"VLLM_API_KEY": self.spec.serving.api_key_env, "HF_TOKEN": self.spec.model.token_env}
+        return {var: source for var, source in wanted.items() if source}
+
     def serve_argv(self) -> list[str]:
         s, m = self.spec.serving, self.spec.model
         # The repo id plus a pinned --revision, resolved from the local cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE in the
