@@ -355,9 +355,14 @@ def test_fault_nccl_falls_back_to_sockets_on_the_worker() -> None:
     assert len(sockets) == 4, out
     assert all(f"{WORKER} ->" in line or f"-> {WORKER})" in line for line in sockets), out
     assert API_KEY not in out
+    assert any(e.startswith("VLLM_DOUBLE_NCCL_NET=") for e in inspect(WORKER)["Config"]["Env"])
+    # The clean spec again: the variable leaves the env file AND the running container (docker_container would keep
+    # a removed variable by default, so a fixed spec would never fix the fault), and the gate passes.
     result = playbook(str(SCENARIO / "converge.yml"))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
+    for name in NODES:
+        assert not any(e.startswith("VLLM_DOUBLE_NCCL_NET=") for e in inspect(name)["Config"]["Env"]), name
     assert "NET/Socket" not in out, out
     test_completion_returns_text()
 
