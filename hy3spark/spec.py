@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from hy3spark.errors import SpecError
 
@@ -120,8 +120,10 @@ class Model(SpecModel):
         return f"{self.cache_dir}/models--{org}--{name}"
 
 
-class Serving(SpecModel):
-    engine: Literal["vllm"] = Field(default="vllm", description="inference engine; trtllm is planned")
+class ServingBase(SpecModel):
+    """What every engine serves with: the endpoint, the parallelism, the context, the key. An engine's own section
+    (VllmServing, ...) adds its flags; `serving.engine` chooses the section, and its fields are checked there."""
+
     served_name: Annotated[str, Field(pattern=r"^[\w.:-]+$")]
     host: ipaddress.IPv4Address = ipaddress.IPv4Address("0.0.0.0")
     port: Annotated[int, Field(ge=1, le=65535)] = 8888
@@ -129,6 +131,16 @@ class Serving(SpecModel):
     pipeline_parallel: Annotated[int, Field(ge=1)] = 1
     max_model_len: Annotated[int, Field(ge=16)]
     max_num_seqs: Annotated[int, Field(ge=1)]
+    api_key_env: str | None = Field(default=None, description="NAME of the env var holding the API key")
+    open_endpoint: bool = Field(default=False, description="serve without an API key on a non-loopback address")
+    verify_transport: bool | None = Field(default=None, description="NCCL transport gate; default on multi-node")
+    health_timeout_s: Annotated[int, Field(ge=10)] = 1800
+
+
+class VllmServing(ServingBase):
+    """`vllm serve` on Ray (hy3spark/engines/vllm.py)."""
+
+    engine: Literal["vllm"] = Field(default="vllm", description="inference engine (see docs/engines.md)")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     speculative_config: dict[str, Any] | None = None
@@ -138,13 +150,9 @@ class Serving(SpecModel):
     trust_remote_code: bool = False
     enforce_eager: bool = False
     extra_args: list[str] = Field(default_factory=list)
-    api_key_env: str | None = Field(default=None, description="NAME of the env var holding the API key")
-    open_endpoint: bool = Field(default=False, description="serve without an API key on a non-loopback address")
-    verify_transport: bool | None = Field(default=None, description="NCCL transport gate; default on multi-node")
     overhead_gib: Annotated[float, Field(ge=0)] = Field(
         default=3.0, description="activation + non-torch memory per rank (planner); calibrate from a real log"
     )
-    health_timeout_s: Annotated[int, Field(ge=10)] = 1800
 
     @field_validator("extra_args")
     @classmethod
@@ -159,6 +167,26 @@ class Serving(SpecModel):
                 if arg.split("=", 1)[0] == managed:
                     raise ValueError(f"{managed} is derived from the spec; set the serving field instead")
         return value
+
+
+# Every engine's serving section, by the value of `serving.engine` (the default: vllm). Adding an engine adds its
+# section here (docs/engines.md has the whole checklist).
+SERVING_SECTIONS: dict[str, type[ServingBase]] = {"vllm": VllmServing}
+DEFAULT_ENGINE = "vllm"
+
+
+def _engine_of(value: Any) -> Any:
+    if isinstance(value, dict):
+        tag = value.get("engine", DEFAULT_ENGINE)
+        return tag if isinstance(tag, str) else repr(tag)  # engine: null or 5 is an unknown engine, named as such
+    return getattr(value, "engine", None)
+
+
+# The serving section, keyed on `engine`: engine-specific fields sit under the engine they belong to.
+Serving = Annotated[
+    Union[Annotated[VllmServing, Tag("vllm")]],  # noqa: UP007 (a tagged union, one member per engine)
+    Discriminator(_engine_of),
+]
 
 
 class Ray(SpecModel):
@@ -531,7 +559,16 @@ def _find_jinja(data: Any, path: tuple[str | int, ...] = ()) -> list[Problem]:
 
 def _pydantic_problem(err: dict[str, Any]) -> Problem:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
+    # The serving union puts the engine's tag into the path (serving.vllm.port): the user wrote serving.port.
+    if loc[:1] == ("serving",) and len(loc) > 1 and loc[1] in SERVING_SECTIONS:
+        loc = ("serving", *loc[2:])
     kind, msg, given = err["type"], err["msg"], err.get("input")
+    if kind == "union_tag_invalid":
+        engine = given.get("engine") if isinstance(given, dict) else given
+        return (*loc, "engine"), (f"{engine!r} is not an engine hy3spark knows; use one of: "
+                                  f"{', '.join(sorted(SERVING_SECTIONS))}")
+    if kind == "union_tag_not_found" or (kind == "model_attributes_type" and loc == ("serving",)):
+        return loc, "must be a mapping of the serving fields (engine:, served_name:, tensor_parallel:, ...)"
     if kind == "extra_forbidden":
         return loc, "unknown field; check the spelling (see README 'The cluster spec' for every field)"
     if kind == "missing":

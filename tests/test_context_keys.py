@@ -78,7 +78,11 @@ NOT_READS = {"yml", "j2", "json", "spec", "context", "cli", "nccl", "capacity", 
 def collection_names() -> set[str]:
     root = content.root()
     names = {p.stem for p in (root / "playbooks").glob("*.yml")} | {p.name for p in (root / "roles").iterdir()}
-    return names | {p.stem for p in (root / "plugins").glob("*/*.py")}
+    names |= {p.stem for p in (root / "plugins").glob("*/*.py")}
+    # A filter file holds many filters: the names its filters() returns ("name": function).
+    for path in (root / "plugins" / "filter").glob("*.py"):
+        names |= set(re.findall(r'^\s+"(\w+)": \w+,$', path.read_text(), flags=re.MULTILINE))
+    return names
 
 
 def read_paths(text: str) -> list[tuple[str, list[str]]]:

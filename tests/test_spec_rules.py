@@ -22,8 +22,8 @@ from hy3spark.spec import (
     Node,
     Pi,
     Ray,
-    Serving,
     SpecModel,
+    VllmServing,
     deep_merge,
     format_path,
     load_spec,
@@ -286,6 +286,32 @@ def test_speculative_config_needs_a_method() -> None:
     assert spec.serving.speculative_config == {"method": "mtp"}
 
 
+# --- the engine: serving is a union keyed on serving.engine ------------------------------------------------------
+def test_engine_defaults_to_vllm_and_selects_its_section() -> None:
+    assert "engine" not in BASE["serving"]
+    spec = parse_spec(spec_text(), "c").spec
+    assert spec.serving.engine == "vllm" and isinstance(spec.serving, VllmServing)
+
+
+@pytest.mark.parametrize("engine", ["trtllm", "VLLM", 5, "", None])
+def test_an_unknown_engine_is_named_with_the_known_ones(engine: Any) -> None:
+    text = spec_text(serving={"engine": engine})
+    assert only_problem(text) == (f"{at(text, 'engine:')} serving.engine: {engine!r} is not an engine hy3spark "
+                                  "knows; use one of: vllm")
+
+
+def test_a_field_of_the_engine_is_named_without_the_engines_tag() -> None:
+    text = spec_text(serving={"gpu_memory_utilization": 2})
+    assert only_problem(text) == (f"{at(text, 'gpu_memory_utilization')} serving.gpu_memory_utilization: 2: Input "
+                                  "should be less than or equal to 1")
+
+
+def test_serving_that_is_not_a_mapping_is_refused_once() -> None:
+    text = spec_text(serving="vllm")
+    assert only_problem(text).endswith("serving: must be a mapping of the serving fields (engine:, served_name:, "
+                                       "tensor_parallel:, ...)")
+
+
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host"])
 def test_extra_args_may_not_set_what_the_spec_derives(flag: str) -> None:
     for arg in (flag, f"{flag}=4"):
@@ -545,8 +571,8 @@ def test_the_defaults_a_user_gets_by_leaving_fields_out() -> None:
 
 
 # --- every bound of every numeric field: the bound is accepted, one past it is refused with the field path --------
-MODELS: dict[str, type[SpecModel]] = {"head": Node, "fabric": Fabric, "model": Model, "serving": Serving, "ray": Ray,
-                                      "earlyoom": Earlyoom, "pi": Pi, "hardware": Hardware}
+MODELS: dict[str, type[SpecModel]] = {"head": Node, "fabric": Fabric, "model": Model, "serving": VllmServing,
+                                      "ray": Ray, "earlyoom": Earlyoom, "pi": Pi, "hardware": Hardware}
 BOUNDS = [
     (("head", "gpus"), 1, 8),
     (("fabric", "mtu"), 576, 9216),
