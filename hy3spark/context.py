@@ -92,6 +92,14 @@ class Serving(TypedDict):
     non_carry_over_env: list[str]
 
 
+class EngineContext(TypedDict):
+    """`hy3spark.engine`: what the roles need to know of the engine without knowing which it is."""
+    name: str
+    launcher: str
+    process: dict[str, str]
+    log_lines: dict[str, str]
+
+
 class Ray(TypedDict):
     port: int
     version: str | None
@@ -133,6 +141,7 @@ class Group(TypedDict):
     image: Image
     model: Model
     serving: Serving
+    engine: EngineContext
     # The engine's secrets: the variable the engine reads on the head -> the NAME of the variable that holds it
     # on the controller (or in the CLI's secrets file; the hy3spark_secret lookup reads it). Only set ones appear.
     secrets: dict[str, str]
@@ -182,10 +191,9 @@ class Context(TypedDict):
 
 
 def _env_for(spec: Spec, node: Node) -> dict[str, str]:
-    """The per-node env file. VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake)."""
+    """The per-node env file: the settings every engine shares, laid out by the engine around its own."""
     iface = spec.fabric.interfaces[0]
-    env = {
-        "VLLM_HOST_IP": str(node.fabric_ip.ip),
+    common = {
         "MASTER_ADDR": str(spec.head.fabric_ip.ip),
         "NCCL_SOCKET_IFNAME": iface,
         "GLOO_SOCKET_IFNAME": iface,
@@ -197,8 +205,8 @@ def _env_for(spec: Spec, node: Node) -> dict[str, str]:
         "HF_HUB_CACHE": spec.model.cache_dir,
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
-        "VLLM_CONFIG_ROOT": f"{CONFIG_DIR}/vllm",
     }
+    env = engine_for(spec).node_env(node, common)
     if spec.fabric.hcas:
         # "=" makes NCCL match the names exactly; both twins of the cabled port give full bandwidth.
         env["NCCL_IB_HCA"] = "=" + ",".join(spec.fabric.hcas)
@@ -423,6 +431,12 @@ def build_context(loaded: Loaded) -> Context:
             # The secrets the serve script exports stay on the head too: vLLM copies VLLM_* and HF_TOKEN into the
             # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.
             "non_carry_over_env": sorted({k for k in nodes[spec.head.name]["env"] if _per_node_env(k)} | SECRET_ENV),
+        },
+        "engine": {
+            "name": engine.name,
+            "launcher": engine.launcher,
+            "process": engine.process(),
+            "log_lines": engine.log_lines(),
         },
         "secrets": engine.secret_env(),
         "ray": {

@@ -1,7 +1,13 @@
-"""Inference engines as data: each turns the spec's serving section into a launch command.
+"""Inference engines as data: everything that differs between engines is answered here, once.
 
-vLLM is the first; TensorRT-LLM (`trtllm-serve`, MPI-launched) plugs in here as another class with the same
-surface, so roles and templates read `hy3spark.serving.argv` and never assume which engine produced it.
+An engine turns the spec's serving section (its own union member, spec.VllmServing, ...) into:
+- the launch command on the head (`serve_argv`) and which launcher joins the nodes (`launcher`: ray, mpi or the
+  engine's own multi-node mode);
+- its per-node environment, laid out around the settings every engine shares (`node_env`);
+- the secrets it reads on the head (`secret_env`);
+- how its processes are recognised (`process`) and which log lines say what its KV cache holds (`log_lines`).
+build_context() publishes all of it as `hy3spark.engine` and `hy3spark.serving`, so roles and templates never
+assume which engine produced them. docs/engines.md is the checklist for adding one.
 """
 
 from __future__ import annotations
@@ -9,19 +15,26 @@ from __future__ import annotations
 from typing import Protocol
 
 from hy3spark.engines.vllm import VllmEngine
-from hy3spark.spec import Spec
+from hy3spark.spec import Node, Spec
 
 
 class Engine(Protocol):
     name: str
+    launcher: str
 
     def serve_argv(self) -> list[str]: ...
 
     def secret_env(self) -> dict[str, str]: ...
 
+    def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]: ...
 
-_ENGINES: dict[str, type[VllmEngine]] = {"vllm": VllmEngine}
+    def process(self) -> dict[str, str]: ...
+
+    def log_lines(self) -> dict[str, str]: ...
+
+
+ENGINES: dict[str, type[VllmEngine]] = {"vllm": VllmEngine}
 
 
 def engine_for(spec: Spec) -> Engine:
-    return _ENGINES[spec.serving.engine](spec)
+    return ENGINES[spec.serving.engine](spec)

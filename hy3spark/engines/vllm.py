@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import json
 
-from hy3spark.spec import Spec
+from hy3spark.spec import Node, Spec
+
+# vLLM's startup lines that say what the KV cache holds (vllm/v1/core/kv_cache_utils.py); the roles, `status` and
+# the run record read them from the serve log.
+KV_CACHE_LINE = r"GPU KV cache size: ([\d,]+) tokens"
+CONCURRENCY_LINE = r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
 
 
 class VllmEngine:
     name = "vllm"
+    # vLLM's Ray executor: every node runs a Ray container, the head's `vllm serve` places the ranks on them.
+    launcher = "ray"
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
+
+    def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]:
+        """The node's env file: VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake),
+        VLLM_CONFIG_ROOT holds ray_non_carry_over_env_vars.json (the vllm_serve role writes it)."""
+        from hy3spark.context import CONFIG_DIR  # the context imports the engines
+
+        return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": f"{CONFIG_DIR}/vllm"}
+
+    def process(self) -> dict[str, str]:
+        """How the engine's process is recognised in /proc: an argv word named `exe` followed by `arg`."""
+        return {"exe": "vllm", "arg": "serve"}
+
+    def log_lines(self) -> dict[str, str]:
+        return {"kv_cache": KV_CACHE_LINE, "concurrency": CONCURRENCY_LINE}
 
     def secret_env(self) -> dict[str, str]:
         """Its secrets on the head -> the NAME of the controller's variable holding each; only the set ones.
