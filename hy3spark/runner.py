@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -270,12 +271,13 @@ def run_playbook(
     diff: bool = False,
     extravars: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    extra_args: list[str] | None = None,  # to ansible-playbook as given (hy3spark.playbooks checks them first)
 ) -> RunResult:
     import ansible_runner
 
     runs_dir.mkdir(parents=True, exist_ok=True)
     private = Path(tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=runs_dir))  # 0700
-    cmdline = []
+    cmdline = list(extra_args or [])
     if check:
         cmdline.append("--check")
     if diff:
@@ -324,7 +326,7 @@ def run_playbook(
             extravars=extravars or {},
             tags=tags,
             limit=limit,
-            cmdline=" ".join(cmdline) or None,
+            cmdline=shlex.join(cmdline) or None,
             event_handler=on_event,
             cancel_callback=stop.is_set,
             quiet=True,
