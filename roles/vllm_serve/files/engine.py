@@ -1,7 +1,8 @@
 """The serving engine inside the head container (piped to `docker exec -i <head> python3 - COMMAND ...`).
 
 Ray is PID 1 there and the engine is a `docker exec -d` child of nothing we hold, so it is found by its command
-line: the serve script, or the `vllm serve` it execs into. Always exits 0 and prints one JSON line last.
+line: the serve script, or the engine process it execs into (HY3SPARK_ENGINE's `process`, for vLLM `vllm serve`).
+Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, nothing recognisable).
 
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
   stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
@@ -21,8 +22,11 @@ import time
 import urllib.error
 import urllib.request
 
-KV_CACHE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
-CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# What the engine is, from the inventory (`hy3spark.engine`, hy3spark/engines/): how its process is recognised and
+# which log lines say what its KV cache holds. The role passes it as HY3SPARK_ENGINE (JSON) to `docker exec -e`.
+ENGINE = json.loads(os.environ.get("HY3SPARK_ENGINE") or "null") or {}
+KV_CACHE = re.compile(ENGINE.get("log_lines", {}).get("kv_cache", r"(?!)"))
+CONCURRENCY = re.compile(ENGINE.get("log_lines", {}).get("concurrency", r"(?!)"))
 # The structural tokens vLLM's hy_v3 tool and reasoning parsers hard-code.
 HY_V3_TOKENS = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
 
@@ -46,7 +50,8 @@ def _ppid(pid: int) -> int:
 def _is_engine(argv: list[str], script: str) -> bool:
     if script in argv:
         return True
-    return any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))
+    exe, arg = ENGINE.get("process", {}).get("exe"), ENGINE.get("process", {}).get("arg")
+    return any(os.path.basename(a) == exe and argv[i + 1:i + 2] == [arg] for i, a in enumerate(argv))
 
 
 def engines(script: str) -> list[int]:
@@ -205,6 +210,9 @@ def patch(suffix: str, check: bool) -> dict:
 
 def main() -> None:
     cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd in ("status", "stop", "wait") and not ENGINE.get("process"):
+        # Without it no engine process can be recognised, and "none running" would start a second one: refuse.
+        sys.exit("engine.py: HY3SPARK_ENGINE is not set; the role passes hy3spark.engine with docker exec -e")
     if cmd == "status":
         result = status(args[0], args[1], args[2])
     elif cmd == "stop":
