@@ -378,7 +378,7 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     import re
 
     from hy3spark.context import build_context
-    from hy3spark.operate import _append_labbook, now
+    from hy3spark.records import append_labbook, now
 
     spec = loaded.spec
     if tool == "guidellm":
@@ -410,5 +410,5 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     result = BenchResult(label=label, date=date, tool=tool_name, endpoint=endpoint, settings=settings, levels=levels,
                          report=str(report))
     (out_dir / "result.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
-    _append_labbook(labbook, labbook_line(result))
+    append_labbook(labbook, labbook_line(result))
     return result

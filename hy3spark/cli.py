@@ -303,84 +303,84 @@ def _full_run(args: argparse.Namespace) -> dict[str, bool] | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from hy3spark import operate
+    from hy3spark import playbooks, records, status
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
-    started = operate.now()
-    result = operate.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit,
-                         extravars=_full_run(args))
+    started = records.now()
+    result = playbooks.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit,
+                           extravars=_full_run(args))
     summary = None
     # What runs now (image IDs, versions, containers, KV lines), also after a failed step: the nodes answered.
     if result.exit_code in (EXIT_OK, EXIT_FAILED):
-        _status_result, summary = operate.collect_status(loaded, runs, limit=args.limit)
-    record = operate.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+        _status_result, summary = status.collect_status(loaded, runs, limit=args.limit)
+    record = records.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
     if not args.json:
         print(f"run record: {record}")
-    return operate.finish(result, args.json, {"record": str(record)})
+    return playbooks.finish(result, args.json, {"record": str(record)})
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from hy3spark import operate
+    from hy3spark import playbooks
 
     loaded = _load(args.spec)
-    result = operate.run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
-                          limit=args.limit)
-    return operate.finish(result, args.json, reports=True)
+    result = playbooks.run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
+                           limit=args.limit)
+    return playbooks.finish(result, args.json, reports=True)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from hy3spark import operate
+    from hy3spark import playbooks
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
-    result = operate.run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
+    result = playbooks.run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
     if args.json:
         # One JSON document: the preflight run, and the dry run when it ran.
-        out: dict[str, object] = {"preflight": operate.payload(result, reports=True), "exit_code": result.exit_code}
+        out: dict[str, object] = {"preflight": playbooks.payload(result, reports=True), "exit_code": result.exit_code}
         if args.dry_run and result.exit_code == EXIT_OK:
-            dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                              diff=True, extravars=_full_run(args))
-            out.update(dry_run=operate.payload(dry), exit_code=dry.exit_code)
+            dry = playbooks.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit,
+                                check=True, diff=True, extravars=_full_run(args))
+            out.update(dry_run=playbooks.payload(dry), exit_code=dry.exit_code)
         print(json.dumps(out, indent=2, default=str))
         return out["exit_code"]
-    code = operate.finish(result, args.json, reports=True)
+    code = playbooks.finish(result, args.json, reports=True)
     if args.dry_run and code == EXIT_OK:
-        dry = operate.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                          diff=True, extravars=_full_run(args))
-        code = operate.finish(dry, args.json)
+        dry = playbooks.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
+                            diff=True, extravars=_full_run(args))
+        code = playbooks.finish(dry, args.json)
     return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from hy3spark import operate
+    from hy3spark import playbooks, status
 
     loaded = _load(args.spec)
-    result, summary = operate.collect_status(loaded, _runs_dir(args), limit=args.limit)
+    result, summary = status.collect_status(loaded, _runs_dir(args), limit=args.limit)
     if result.exit_code != EXIT_OK:
-        return operate.finish(result, args.json)
+        return playbooks.finish(result, args.json)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        operate.print_status(summary)
+        status.print_status(summary)
     return EXIT_OK
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from hy3spark import operate
+    from hy3spark import logs
 
     loaded = _load(args.spec)
     runs = _runs_dir(args)
     if args.lines < 1:
         raise Hy3SparkError("--lines must be at least 1")
     if args.no_follow:
-        sys.stdout.write(operate.read_log(loaded, runs, args.lines))
+        sys.stdout.write(logs.read_log(loaded, runs, args.lines))
         return EXIT_OK
-    return operate.follow_log(loaded, runs, args.lines)
+    return logs.follow_log(loaded, runs, args.lines)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -460,15 +460,15 @@ def test_status_json_reports_the_serving_cluster(cluster: Cluster) -> None:
 def test_status_for_people_names_every_node_in_full(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     from rich.console import Console
 
-    from hy3spark import operate
+    from hy3spark import status
 
-    operate.print_status(cluster.state["status"])  # not a terminal: plain lines
+    status.print_status(cluster.state["status"])  # not a terminal: plain lines
     plain = capsys.readouterr().out
     for name in NODES:
         assert re.search(rf"^{name}  \w+  containers {CONTAINERS[name]} \(running\)  image [0-9a-f]{{12}}  "
                          r"memory [\d.]+ GiB free  ray 2\.60\.0  vllm 0\.23\.0\+testdouble$", plain, re.M), plain
     screen = io.StringIO()
-    operate.print_status(cluster.state["status"], Console(file=screen, force_terminal=True, width=80))
+    status.print_status(cluster.state["status"], Console(file=screen, force_terminal=True, width=80))
     table = screen.getvalue()
     for out in (plain, table):
         assert f"cluster {CLUSTER}" in out and HEAD in out and WORKER in out

@@ -1,4 +1,4 @@
-"""The secrets hand-over (hy3spark/runner.py, hy3spark/operate.py) and the hy3spark_secret lookup, without Docker.
+"""The secrets hand-over (hy3spark/runner.py, playbooks.py, logs.py) and the hy3spark_secret lookup, without Docker.
 
 ansible-runner writes the child's whole environment to `artifacts/<id>/command`, so for the length of a run the
 spec's secret variables leave this process's environment and reach the playbook in a 0600 file, in a 0700
@@ -333,7 +333,8 @@ def test_reading_the_serve_log_keeps_the_secrets_out_of_its_artifacts(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`hy3spark logs` runs ansible-runner itself: the secrets leave the environment for that run too. Nothing
     answers SSH on 127.0.0.1 here, so the read fails; its artifacts are written all the same."""
-    from hy3spark.operate import ServeLog, secret_names
+    from hy3spark.logs import ServeLog
+    from hy3spark.playbooks import secret_names
     from hy3spark.spec import parse_spec
 
     values = fresh_secrets()

@@ -1,0 +1,80 @@
+"""Run records and the lab notebook: what `up` leaves behind (one JSON record per run under runs/records/) and the
+one line per run that `up` and `bench` append to labbook.md, the runs directory's history in one table.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from hy3spark.runner import RunResult
+from hy3spark.spec import Loaded
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def last_record(runs_dir: Path, cluster: str) -> dict[str, Any] | None:
+    """The newest record of this cluster (a runs directory holds the records of every cluster run from it)."""
+    for path in sorted((runs_dir / "records").glob(f"*-{cluster}.json"), reverse=True):
+        data = json.loads(path.read_text())
+        if data.get("cluster") == cluster:
+            return {"file": str(path), "started": data.get("started"), "status": data.get("status")}
+    return None
+
+
+def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dict[str, Any] | None,
+                 started: str, labbook: Path) -> Path:
+    """The record of one `up`: what ran, how it ended, and what runs on the nodes afterwards (`summary`, from
+    hy3spark.status)."""
+    nodes = (summary or {}).get("nodes", {})
+    head = nodes.get(loaded.spec.head.name, {})
+    versions = head.get("versions", {})
+    record = {
+        "cluster": loaded.spec.name,
+        "spec": loaded.source,
+        "spec_sha256": loaded.sha256,
+        "started": started,
+        "status": result.status,
+        "exit_code": result.exit_code,
+        "duration_s": result.duration_s,
+        "phases_s": result.phases,
+        "image_ids": {name: node.get("image_id") for name, node in nodes.items()},
+        "versions": {k: versions.get(k) or None for k in ("vllm", "ray", "python", "nccl", "driver")},
+        "kv_lines": (summary or {}).get("kv_lines", []),
+        "kv_predicted": _predicted(loaded),
+        "transport": (summary or {}).get("transport"),
+        "ray": (summary or {}).get("ray"),
+        "failures": [f.__dict__ for f in result.failures],
+        "artifacts": str(result.private_data_dir),
+    }
+    out_dir = runs_dir / "records"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{started.replace(':', '').replace('-', '')}-{loaded.spec.name}.json"
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    kv = "; ".join(x.split("] ")[-1] for x in record["kv_lines"]) or "no KV lines"
+    line = (f"| {started} | up {loaded.spec.name} | {loaded.spec.serving.engine} {record['versions']['vllm'] or '?'} "
+            f"| {result.status} in {result.duration_s:.0f} s | {kv} | transport: {record['transport'] or '?'} "
+            f"| {path.name} |\n")
+    append_labbook(labbook, line)
+    return path
+
+
+def _predicted(loaded: Loaded) -> dict[str, Any]:
+    from hy3spark.context import plan_summary
+
+    plan = plan_summary(loaded)
+    return {"kv_cache_size_line": plan["kv_cache_size_line"], "max_concurrency_line": plan["max_concurrency_line"]}
+
+
+def append_labbook(labbook: Path, line: str) -> None:
+    """Append one table row, starting the notebook with its header when it does not exist yet."""
+    labbook.parent.mkdir(parents=True, exist_ok=True)
+    new = not labbook.exists()
+    with labbook.open("a") as fh:
+        if new:
+            fh.write("# Lab notebook\n\nOne line per run (hy3spark up / hy3spark bench).\n\n")
+        fh.write(line)

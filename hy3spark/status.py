@@ -1,0 +1,117 @@
+"""`hy3spark status`: what runs on every node (containers, image IDs, versions, memory), Ray's nodes and GPUs, the
+endpoint's health and models, the running engine's KV and NCCL lines and the last run record, collected read-only by
+playbooks/status.yml; printed as a table on a terminal and as plain lines otherwise. `up` records the same after
+its run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from hy3spark.context import ENGINE_START
+from hy3spark.playbooks import run
+from hy3spark.records import last_record
+from hy3spark.runner import RunResult, plain
+from hy3spark.spec import Loaded
+
+_RAY_NODES = re.compile(r"^\s*(\d+)\s+node_", re.M)
+_RAY_GPUS = re.compile(r"([\d.]+)/([\d.]+) GPU")
+
+
+def parse_ray_status(text: str) -> dict[str, Any]:
+    """`ray status`: the Active section's node lines and the GPU usage line."""
+    active = text.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in text else ""
+    nodes = sum(int(n) for n in _RAY_NODES.findall(active))
+    gpus = _RAY_GPUS.search(text)
+    return {"nodes": nodes, "gpus_total": float(gpus.group(2)) if gpus else 0.0,
+            "gpus_used": float(gpus.group(1)) if gpus else 0.0}
+
+
+def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> tuple[RunResult, dict[str, Any]]:
+    """Run playbooks/status.yml (read-only) and sum up what it found."""
+    result = run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
+    nodes = {host: data.get("hy3spark_report_status", {}) for host, data in result.results.items()}
+    head = nodes.get(loaded.spec.head.name, {})
+    lines = current_engine_lines([plain(str(x)) for x in head.get("log_lines", [])])
+    summary = {
+        "cluster": loaded.spec.name,
+        "nodes": nodes,
+        "ray": parse_ray_status(str(head.get("ray_status", ""))),
+        "endpoint": {"url": f"http://{loaded.spec.head.fabric_ip.ip}:{loaded.spec.serving.port}",
+                     "health": head.get("health"), "models": head.get("models", [])},
+        "kv_lines": [x for x in lines if "KV cache size" in x or "Maximum concurrency" in x],
+        "transport": _transport(lines),
+        "last_run": last_record(runs_dir, loaded.spec.name),
+    }
+    return result, summary
+
+
+def current_engine_lines(lines: list[str]) -> list[str]:
+    """The lines the latest engine start logged: earlier starts' KV and NCCL lines describe no running engine (the
+    serve log is appended to; the serve script writes ENGINE_START at each start)."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(ENGINE_START)]
+    return lines[starts[-1] + 1:] if starts else lines
+
+
+def _transport(lines: list[str]) -> str | None:
+    if not lines:
+        return None
+    vias = [x for x in lines if " via " in x]
+    if not vias:
+        return None
+    from hy3spark import nccl
+
+    report = nccl.parse_logs(["\n".join(vias)])
+    counts = {str(k): v for k, v in report.counts().items() if v}
+    return ", ".join(f"{k}: {v}" for k, v in counts.items()) or None
+
+
+def print_status(summary: dict[str, Any], console: Any = None) -> None:
+    """A table on a terminal; plain lines (one per node, nothing cut short) when the output goes elsewhere."""
+    from rich.console import Console
+
+    console = console or Console()
+    columns = ("node", "role", "containers", "image", "memory", "ray", "vllm")
+    rows = []
+    for name, node in summary["nodes"].items():
+        containers = ", ".join(f"{c.get('Names')} ({c.get('State') or c.get('Status')})"
+                               for c in node.get("containers", [])) or "none"
+        versions = node.get("versions", {})
+        image = str(node.get("image_id") or "").split(":")[-1][:12] or "absent"
+        rows.append((name, str(node.get("role")), containers, image,
+                     f"{int(node.get('mem_available_bytes') or 0) / (1 << 30):.1f} GiB free",
+                     versions.get("ray") or "-", versions.get("vllm") or "-"))
+    ray, endpoint = summary["ray"], summary["endpoint"]
+    health = endpoint["health"]
+    health_text = ("healthy" if health == 200 else "not probed" if health is None
+                   else "not answering" if health in (-1, 0) else f"answers {health}")
+    lines = [f"Ray: {ray['nodes']} node(s), {ray['gpus_total']:g} GPU(s) ({ray['gpus_used']:g} in use)",
+             f"endpoint {endpoint['url']}: {health_text}; models: {', '.join(endpoint['models']) or 'none'}",
+             *(f"  {line.split('] ')[-1]}" for line in summary["kv_lines"])]
+    if summary["transport"]:
+        lines.append(f"NCCL transport: {summary['transport']}")
+    last = summary.get("last_run")
+    if last:
+        lines.append(f"last run: {last.get('started')} {last.get('status')} ({last.get('file')})")
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title=f"cluster {summary['cluster']}")
+        for i, col in enumerate(columns):
+            # Names are what a user copies into --limit: never shortened; the rest folds when the terminal is narrow.
+            table.add_column(col, no_wrap=i == 0, min_width=max([len(r[0]) for r in rows] + [4]) if i == 0 else None,
+                             overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        for line in lines:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    print(f"cluster {summary['cluster']}", file=console.file)
+    for row in rows:
+        print("  ".join([row[0], row[1], *(f"{col} {value}" for col, value in zip(columns[2:], row[2:], strict=True))]),
+              file=console.file)
+    for line in lines:
+        print(line, file=console.file)
