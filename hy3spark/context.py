@@ -15,7 +15,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 from hy3spark import __version__
-from hy3spark.engines import engine_for
+from hy3spark.engines import SECRET_NAMES, engine_for
 from hy3spark.spec import Loaded, Node, Spec
 
 MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
@@ -478,8 +478,8 @@ def plan_summary(loaded: Loaded) -> Plan:
     }
 
 
-# Every variable the serve script may export from the 0600 secrets file (secret_env's keys; roles/vllm_serve).
-SECRET_ENV = frozenset({"VLLM_API_KEY", "HF_TOKEN"})
+# Every variable the serve script may export from the 0600 secrets file (what any engine's secret_env may name).
+SECRET_ENV = SECRET_NAMES
 
 
 def _per_node_env(name: str) -> bool:

@@ -215,9 +215,10 @@ def expect(case: Case) -> Expect:
 
 
 def engine_secret_names() -> set[str]:
-    """The variables the vllm_serve role's secrets file defines (`NAME={{ value | quote }}` lines)."""
-    block = yaml.safe_load(SECRETS_TEMPLATE.read_text())["__vllm_serve_secrets"]
-    return set(re.findall(r"^\s*([A-Za-z_][A-Za-z0-9_]*)=\{\{", block, flags=re.MULTILINE))
+    """Every variable an engine may read a secret from (hy3spark/engines: each engine's secret_names)."""
+    from hy3spark.engines import SECRET_NAMES
+
+    return set(SECRET_NAMES)
 
 
 def fake_secrets(ex: Expect) -> dict[str, str]:
@@ -311,9 +312,15 @@ def test_the_cases_cover_what_the_invariants_branch_on() -> None:
 
 
 def test_the_engine_receives_its_secrets_as_vllm_api_key_and_hf_token() -> None:
-    """The oracle below reads the role's secrets file: make sure it finds the names that file really writes (a
-    secret added there later, a Ray token say, is then required in the non-carry-over list without a test edit)."""
+    """The oracle below takes the names from the engines; the role's secrets file must write exactly the engine's
+    map (hy3spark.secrets), so a secret an engine adds later, a Ray token say, is then required in the non-carry-over
+    list without a test edit."""
     assert engine_secret_names() >= {"VLLM_API_KEY", "HF_TOKEN"}
+    block = yaml.safe_load(SECRETS_TEMPLATE.read_text())["__vllm_serve_secrets"]
+    assert "{% for name, source in vllm_serve_secret_env.items() %}" in block
+    assert "{{ name }}={{ value | quote }}" in block and not re.search(r"^\s*[A-Z_]+=", block, flags=re.MULTILINE)
+    defaults = yaml.safe_load((REPO / "roles" / "vllm_serve" / "defaults" / "main.yml").read_text())
+    assert defaults["vllm_serve_secret_env"] == "{{ hy3spark.secrets }}"
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,6 +21,7 @@ from hy3spark.spec import Node, Spec
 class Engine(Protocol):
     name: str
     launcher: str
+    secret_names: tuple[str, ...]  # every variable secret_env() may name
 
     def serve_argv(self) -> list[str]: ...
 
@@ -34,6 +35,10 @@ class Engine(Protocol):
 
 
 ENGINES: dict[str, type[VllmEngine]] = {"vllm": VllmEngine}
+
+
+# Every variable an engine may read a secret from (kept off the workers and out of every rendered file).
+SECRET_NAMES = frozenset(name for engine in ENGINES.values() for name in engine.secret_names)
 
 
 def engine_for(spec: Spec) -> Engine:

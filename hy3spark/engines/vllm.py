@@ -34,10 +34,12 @@ class VllmEngine:
     def log_lines(self) -> dict[str, str]:
         return {"kv_cache": KV_CACHE_LINE, "concurrency": CONCURRENCY_LINE}
 
+    # vLLM reads the API key from VLLM_API_KEY and huggingface_hub the token from HF_TOKEN.
+    secret_names = ("VLLM_API_KEY", "HF_TOKEN")
+
     def secret_env(self) -> dict[str, str]:
-        """Its secrets on the head -> the NAME of the controller's variable holding each; only the set ones.
-        vLLM reads the API key from VLLM_API_KEY and huggingface_hub the token from HF_TOKEN."""
-        wanted = {"VLLM_API_KEY": self.spec.serving.api_key_env, "HF_TOKEN": self.spec.model.token_env}
+        """Its secrets on the head -> the NAME of the controller's variable holding each; only the set ones."""
+        wanted = dict(zip(self.secret_names, (self.spec.serving.api_key_env, self.spec.model.token_env), strict=True))
         return {var: source for var, source in wanted.items() if source}
 
     def serve_argv(self) -> list[str]:
