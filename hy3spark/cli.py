@@ -39,17 +39,44 @@ def _spec_arg(p: argparse.ArgumentParser) -> None:
                    help="cluster spec YAML (default: the embedded two-Spark Hy3 spec)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hy3spark",
-        description="Turn two or more NVIDIA DGX Sparks into one LLM endpoint, from one cluster spec.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action=_VersionAction,
-                        help="print hy3spark's version and its Ansible content's (and where that is), and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _ops_args(p: argparse.ArgumentParser, tags: bool = True) -> None:
+    """What every command that runs a playbook takes: the spec, the hosts, the output, where runs go."""
+    _spec_arg(p)
+    if tags:
+        p.add_argument("--tags", metavar="TAGS", help="only these roles' tags (comma-separated)")
+    p.add_argument("--limit", metavar="HOSTS", help="only these hosts, as ansible-playbook --limit")
+    p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
 
+
+PASSTHROUGH = """\
+These go to ansible-playbook as given (kolla-ansible's way). An inline -e shows in the process list and in the run's
+ansible-runner artifacts (and up's run record), so hy3spark refuses, before anything runs, one that would carry a
+secret: a key naming a secret (the variables the spec's model.token_env and serving.api_key_env name, HF_TOKEN,
+VLLM_API_KEY), a key named like a credential (*_token, *_key, *_password, *_pass, *_secret), a value holding an
+exported secret's value. Secrets go by environment variable; of -e @FILE only the file's path is on the command line.
+"""
+
+
+def _passthrough(p: argparse.ArgumentParser, *, skip_tags: bool = True, modes: bool = True) -> None:
+    g = p.add_argument_group("ansible-playbook options", PASSTHROUGH)
+    g.add_argument("-e", "--extra-vars", action="append", default=[], metavar="VARS",
+                   help="set variables, as ansible-playbook -e: KEY=VALUE (several, space-separated), inline "
+                        "YAML/JSON, or @FILE (a YAML or JSON file; a relative path is from the current directory); "
+                        "repeatable, later ones win. The usual use: a role input the spec does not carry")
+    if skip_tags:
+        g.add_argument("--skip-tags", metavar="TAGS",
+                       help="skip the tasks and roles with these tags (comma-separated), as ansible-playbook "
+                            "--skip-tags")
+    if modes:
+        g.add_argument("--check", action="store_true",
+                       help="ansible-playbook --check: report what would change and change nothing")
+        g.add_argument("--diff", action="store_true",
+                       help="ansible-playbook --diff: show each change to a file or setting as a diff (with --check: "
+                            "the changes a run would make)")
+
+
+def _add_render(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="preview or write every file derived from the spec",
                        description="Render the inventory and every deployed file from the spec. With no option the "
                                    "files are printed to stdout; nothing is written.",
@@ -65,12 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "json"), default="text", help="stdout format (default text)")
     p.set_defaults(func=cmd_render)
 
+
+def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check the spec for the field's known mistakes; write nothing",
                        description="Validate the spec (merged over its profile). Prints each problem with the field "
                                    "path and line, exits 3 on any problem.")
     _spec_arg(p)
     p.set_defaults(func=cmd_validate)
 
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict vLLM's KV cache and concurrency before a 10-minute load",
                        description="Predict, from the spec, the two lines vLLM logs at the end of startup ('GPU KV "
                                    "cache size: N tokens', 'Maximum concurrency for L tokens per request: Cx') with a "
@@ -87,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_transport(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("transport", help="NCCL transport gate: fail when any channel fell back to TCP (NET/Socket)",
                        description="Read NCCL INFO logs (one file per rank, or vLLM's serve log with every Ray "
                                    "worker's lines in it) and classify each channel: NET/IB with or without "
@@ -97,40 +130,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_transport)
 
-    def ops(p: argparse.ArgumentParser, tags: bool = True) -> None:
-        _spec_arg(p)
-        if tags:
-            p.add_argument("--tags", metavar="TAGS", help="only these roles' tags (comma-separated)")
-        p.add_argument("--limit", metavar="HOSTS", help="only these hosts, as ansible-playbook --limit")
-        p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
-        p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="deploy: run site.yml through ansible-runner, then record the run",
                        description="Render the spec's inventory, run site.yml (preflight, network, earlyoom, image + "
                                    "model, Ray head and workers, vLLM) with live progress, and write a run record "
-                                   "(JSON under runs/records/ and one line in runs/labbook.md).")
-    ops(p)
+                                   "(JSON under runs/records/ and one line in runs/labbook.md).",
+                       epilog="--tags, --skip-tags (naming one of site.yml's tags) and --limit make a partial run: "
+                              "the roles run whatever the drift check finds, and the nodes keep the record of their "
+                              "last complete run. The status collected after the run gets the same -e (not the "
+                              "rest). With --check the lab notebook line says so.")
+    _ops_args(p)
     p.add_argument("--full-run", action="store_true",
                    help="run every role even when every node matches its last complete run (site.yml's drift "
                         "check would otherwise skip them and only check the endpoint)")
+    _passthrough(p)
     p.set_defaults(func=cmd_up)
+
+
+def _add_down(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("down", help="tear down: stop serving, then workers, then the head",
                        description="Run playbooks/teardown.yml: stop the engine, remove the worker containers, then "
                                    "the head's; report memory before and after. Keeps the model cache and network.")
-    ops(p)
+    _ops_args(p)
+    _passthrough(p)
     p.set_defaults(func=cmd_down)
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="run the preflight checks; with --dry-run also site.yml in check+diff mode",
                        description="Run the preflight role on every node (read-only): one table of every check. "
-                                   "--dry-run also runs site.yml with --check --diff and shows what would change.")
-    ops(p)
+                                   "--dry-run also runs site.yml with --check --diff and shows what would change.",
+                       epilog="-e and --skip-tags apply to both runs. There is no --check or --diff here: preflight "
+                              "changes nothing, and --dry-run is site.yml with both.")
+    _ops_args(p)
     p.add_argument("--dry-run", action="store_true", help="also run site.yml in check + diff mode")
     p.add_argument("--full-run", action="store_true",
                    help="with --dry-run: check every role even when every node matches its last complete run")
+    _passthrough(p, modes=False)
     p.set_defaults(func=cmd_check)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="nodes, containers, Ray nodes/GPUs, endpoint health, KV lines, last run",
                        description="Collect, read-only, what runs on every node and print one table.")
-    ops(p, tags=False)
+    _ops_args(p, tags=False)
+    _passthrough(p, skip_tags=False, modes=False)
     p.set_defaults(func=cmd_status)
+
+
+def _add_logs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="follow the vLLM log on the head (Ctrl+C detaches; the engine keeps running)",
                        description="Print the tail of the engine's log on the head and follow it. Ctrl+C detaches "
                                    "and never stops the server.")
@@ -140,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_logs)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="the lab's load test: tok/s, req/s, TTFT, TPOT per concurrency level",
                        description="Load-test the endpoint with an established load generator (guidellm, or `vllm "
                                    "bench serve` in the head container) and report, per concurrency level, output "
@@ -171,8 +222,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_profiles(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profiles", help="list the built-in profiles", description="List the built-in profiles.")
     p.set_defaults(func=cmd_profiles)
+
+
+# The subcommands in the order --help lists them: one builder each.
+COMMANDS = (_add_render, _add_validate, _add_plan, _add_transport, _add_up, _add_down, _add_check, _add_status,
+            _add_logs, _add_bench, _add_profiles)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hy3spark",
+        description="Turn two or more NVIDIA DGX Sparks into one LLM endpoint, from one cluster spec.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print hy3spark's version and its Ansible content's (and where that is), and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 
@@ -302,19 +374,28 @@ def _full_run(args: argparse.Namespace) -> dict[str, bool] | None:
     return {"drift_full_run": True} if args.full_run else None
 
 
+def _ansible(args: argparse.Namespace, loaded):  # -> hy3spark.playbooks.AnsibleArgs
+    """The ansible-playbook options this command was given, checked against the spec before anything runs."""
+    from hy3spark.playbooks import ansible_args
+
+    return ansible_args(loaded, args.extra_vars, getattr(args, "skip_tags", None), getattr(args, "check", False),
+                        getattr(args, "diff", False))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from hy3spark import playbooks, records, status
 
     loaded = _load(args.spec)
+    ansible = _ansible(args, loaded)
     runs = _runs_dir(args)
     started = records.now()
-    result = playbooks.run(loaded, "site.yml", runs, "up", tags=args.tags, limit=args.limit,
+    result = playbooks.run(loaded, "site.yml", runs, "up", ansible, tags=args.tags, limit=args.limit,
                            extravars=_full_run(args))
     summary = None
     # What runs now (image IDs, versions, containers, KV lines), also after a failed step: the nodes answered.
     if result.exit_code in (EXIT_OK, EXIT_FAILED):
-        _status_result, summary = status.collect_status(loaded, runs, limit=args.limit)
-    record = records.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+        _status_result, summary = status.collect_status(loaded, runs, limit=args.limit, ansible=ansible)
+    record = records.write_record(loaded, runs, result, summary, started, runs / "labbook.md", ansible.argv())
     if not args.json:
         print(f"run record: {record}")
     return playbooks.finish(result, args.json, {"record": str(record)})
@@ -324,7 +405,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     from hy3spark import playbooks
 
     loaded = _load(args.spec)
-    result = playbooks.run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", tags=args.tags,
+    ansible = _ansible(args, loaded)
+    result = playbooks.run(loaded, "playbooks/teardown.yml", _runs_dir(args), "down", ansible, tags=args.tags,
                            limit=args.limit)
     return playbooks.finish(result, args.json, reports=True)
 
@@ -335,22 +417,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     from hy3spark import playbooks
 
     loaded = _load(args.spec)
+    ansible = _ansible(args, loaded)
     runs = _runs_dir(args)
-    result = playbooks.run(loaded, "playbooks/preflight.yml", runs, "preflight", limit=args.limit)
+    result = playbooks.run(loaded, "playbooks/preflight.yml", runs, "preflight", ansible, limit=args.limit)
+
+    def dry_run():  # -> RunResult
+        return playbooks.run(loaded, "site.yml", runs, "dry run", ansible, tags=args.tags, limit=args.limit,
+                             check=True, diff=True, extravars=_full_run(args))
+
     if args.json:
         # One JSON document: the preflight run, and the dry run when it ran.
         out: dict[str, object] = {"preflight": playbooks.payload(result, reports=True), "exit_code": result.exit_code}
         if args.dry_run and result.exit_code == EXIT_OK:
-            dry = playbooks.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit,
-                                check=True, diff=True, extravars=_full_run(args))
+            dry = dry_run()
             out.update(dry_run=playbooks.payload(dry), exit_code=dry.exit_code)
         print(json.dumps(out, indent=2, default=str))
         return out["exit_code"]
     code = playbooks.finish(result, args.json, reports=True)
     if args.dry_run and code == EXIT_OK:
-        dry = playbooks.run(loaded, "site.yml", runs, "dry run", tags=args.tags, limit=args.limit, check=True,
-                            diff=True, extravars=_full_run(args))
-        code = playbooks.finish(dry, args.json)
+        code = playbooks.finish(dry_run(), args.json)
     return code
 
 
@@ -360,7 +445,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from hy3spark import playbooks, status
 
     loaded = _load(args.spec)
-    result, summary = status.collect_status(loaded, _runs_dir(args), limit=args.limit)
+    result, summary = status.collect_status(loaded, _runs_dir(args), limit=args.limit, ansible=_ansible(args, loaded))
     if result.exit_code != EXIT_OK:
         return playbooks.finish(result, args.json)
     if args.json:

@@ -29,3 +29,9 @@ class SpecError(Hy3SparkError):
         else:
             text = f"{len(problems)} problems in {source}:\n" + "\n".join(f"  - {p}" for p in problems)
         super().__init__(text)
+
+
+class UsageError(Hy3SparkError):
+    """A command-line value that only the spec or the value itself shows to be wrong (argparse cannot see it)."""
+
+    exit_code = EXIT_USAGE

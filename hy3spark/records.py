@@ -27,12 +27,14 @@ def last_record(runs_dir: Path, cluster: str) -> dict[str, Any] | None:
 
 
 def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dict[str, Any] | None,
-                 started: str, labbook: Path) -> Path:
+                 started: str, labbook: Path, ansible_args: list[str] | None = None) -> Path:
     """The record of one `up`: what ran, how it ended, and what runs on the nodes afterwards (`summary`, from
-    hy3spark.status)."""
+    hy3spark.status). `ansible_args` are the options passed through to ansible-playbook (a check-mode run says so
+    in the lab notebook: it changed nothing)."""
     nodes = (summary or {}).get("nodes", {})
     head = nodes.get(loaded.spec.head.name, {})
     versions = head.get("versions", {})
+    args = list(ansible_args or [])
     record = {
         "cluster": loaded.spec.name,
         "spec": loaded.source,
@@ -42,6 +44,7 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
         "exit_code": result.exit_code,
         "duration_s": result.duration_s,
         "phases_s": result.phases,
+        "ansible_args": args,
         "image_ids": {name: node.get("image_id") for name, node in nodes.items()},
         "versions": {k: versions.get(k) or None for k in ("vllm", "ray", "python", "nccl", "driver")},
         "kv_lines": (summary or {}).get("kv_lines", []),
@@ -56,7 +59,8 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
     path = out_dir / f"{started.replace(':', '').replace('-', '')}-{loaded.spec.name}.json"
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     kv = "; ".join(x.split("] ")[-1] for x in record["kv_lines"]) or "no KV lines"
-    line = (f"| {started} | up {loaded.spec.name} | {loaded.spec.serving.engine} {record['versions']['vllm'] or '?'} "
+    command = f"up {loaded.spec.name}" + (" --check" if "--check" in args else "")
+    line = (f"| {started} | {command} | {loaded.spec.serving.engine} {record['versions']['vllm'] or '?'} "
             f"| {result.status} in {result.duration_s:.0f} s | {kv} | transport: {record['transport'] or '?'} "
             f"| {path.name} |\n")
     append_labbook(labbook, line)

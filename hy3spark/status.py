@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hy3spark.context import ENGINE_START
-from hy3spark.playbooks import run
+from hy3spark.playbooks import AnsibleArgs, run
 from hy3spark.records import last_record
 from hy3spark.runner import RunResult, plain
 from hy3spark.spec import Loaded
@@ -29,9 +29,11 @@ def parse_ray_status(text: str) -> dict[str, Any]:
             "gpus_used": float(gpus.group(1)) if gpus else 0.0}
 
 
-def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None) -> tuple[RunResult, dict[str, Any]]:
-    """Run playbooks/status.yml (read-only) and sum up what it found."""
-    result = run(loaded, "playbooks/status.yml", runs_dir, "status", limit=limit)
+def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None,
+                   ansible: AnsibleArgs | None = None) -> tuple[RunResult, dict[str, Any]]:
+    """Run playbooks/status.yml (read-only) and sum up what it found. `ansible`: the -e variables only."""
+    result = run(loaded, "playbooks/status.yml", runs_dir, "status", ansible=ansible and ansible.vars_only(),
+                 limit=limit)
     nodes = {host: data.get("hy3spark_report_status", {}) for host, data in result.results.items()}
     head = nodes.get(loaded.spec.head.name, {})
     lines = current_engine_lines([plain(str(x)) for x in head.get("log_lines", [])])
