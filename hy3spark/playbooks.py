@@ -64,10 +64,10 @@ def ansible_args(loaded: Loaded, extra_vars: list[str] | None = None, skip_tags:
     it (ansible.utils.vars.load_extra_vars: inline YAML/JSON or KEY=VALUE pairs) and refused, with the flag named,
     when a key at any depth names a secret or a credential or a value holds an exported secret's value. Of an @FILE
     only the path reaches the command line: it must exist, and is passed on as an absolute path."""
-    from hy3spark.engines import engine_for
+    from hy3spark.engines import SECRET_NAMES, engine_for
 
-    # Every name a secret goes by (the engine's on the head, the controller's the spec names) -> what to export.
-    names = {}
+    # Every name a secret goes by (any engine's on the head, the controller's the spec names) -> what to export.
+    names: dict[str, str | None] = dict.fromkeys(SECRET_NAMES)
     for engine_var, source in engine_for(loaded.spec).secret_env().items():
         names[engine_var.upper()] = names[source.upper()] = source
     exported = {n: os.environ[n] for n in secret_names(loaded) if os.environ.get(n)}
@@ -133,13 +133,16 @@ def _walk(data: Any, path: str = "") -> list[tuple[str, str, str | None]]:
     return out
 
 
-def _refuse_secret(where: str, key: str, text: str | None, names: dict[str, str], exported: dict[str, str]) -> None:
+def _refuse_secret(where: str, key: str, text: str | None, names: dict[str, str | None],
+                   exported: dict[str, str]) -> None:
     why = ("-e values are passed to ansible-playbook as given, where the process list and the run's artifacts would "
            "show them.")
     if key.upper() in names:
         source = names[key.upper()]
-        raise UsageError(f"{EXTRA_VARS_FLAG}: refused: {where!r} names a secret. {why} Export {source} instead (the "
-                         f"variable the spec names for it); hy3spark hands it to the playbook in a 0600 file.")
+        instead = (f"Export {source} instead (the variable the spec names for it)" if source else
+                   "Name a variable for it in the spec (model.token_env, serving.api_key_env) and export that")
+        raise UsageError(f"{EXTRA_VARS_FLAG}: refused: {where!r} names a secret. {why} {instead}; hy3spark hands "
+                         f"the spec's secrets to the playbook in a 0600 file.")
     if key and _CREDENTIAL.search(key):
         raise UsageError(f"{EXTRA_VARS_FLAG}: refused: {where!r} is named like a credential. {why} The spec's "
                          f"secrets go by environment variable (model.token_env, serving.api_key_env); any other goes "

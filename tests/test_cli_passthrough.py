@@ -88,6 +88,18 @@ def test_an_extra_var_carrying_a_secret_is_refused_before_anything_runs(
     assert not runs.exists(), "nothing ran, nothing was written"
 
 
+def test_an_engine_secret_the_spec_names_no_variable_for_is_still_refused(cli: Callable[..., object],
+                                                                         tmp_path: Path) -> None:
+    spec = tmp_path / "cluster.yml"
+    spec.write_text(SPEC.replace("  api_key_env: VLLM_API_KEY\n", "  api_key_env: null\n  host: 127.0.0.1\n"))
+    result = cli("up", str(spec), "--runs-dir", str(tmp_path / "runs"), "-e", "vllm_api_key=s3cr3t")
+    assert result.code == 2
+    assert result.err == (f"error: -e/--extra-vars: refused: 'vllm_api_key' names a secret. {WHY} Name a variable "
+                          f"for it in the spec (model.token_env, serving.api_key_env) and export that; hy3spark hands "
+                          f"the spec's secrets to the playbook in a 0600 file.\n")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("@missing.yml", "-e/--extra-vars @missing.yml: no such file"),
     ("./vars.yml", "-e/--extra-vars ./vars.yml: a file needs an @ in front (-e @./vars.yml)"),
