@@ -2,10 +2,18 @@
 
 The content is what ansible-runner runs and `render` renders: site.yml, ansible.cfg, roles/, playbooks/, plugins/,
 templates/ and examples/, laid out as in the repo. It lives in one of two places:
-- a wheel install: inside the package, `hy3spark/_content/` (pyproject.toml maps the repo's top level there);
+- a wheel install: inside the package, `hy3spark/_content/ansible_collections/hy3spark/cluster/` (pyproject.toml
+  maps the repo's top level there);
 - a checkout (the editable install scripts/bootstrap makes, or the source tree on sys.path): the checkout itself,
   the package's parent directory, so an edited role or template counts without a reinstall.
 The shipped copy wins when both could answer: a package that carries its content uses that content.
+
+The content is also the Ansible collection hy3spark.cluster, and its roles call their modules, filters and lookups
+by full name (hy3spark.cluster.hy3spark_secret), so Ansible must find it as a collection: `collections()` is the
+directory to name in ANSIBLE_COLLECTIONS_PATH. A wheel ships the content at a path shaped like an installed
+collection for that reason (a wheel cannot carry a symlink reliably, and a link made at run time in the user's
+state directory would be state to repair whenever the venv moves, invisible to a plain `ansible-playbook` with the
+shipped ansible.cfg); a checkout has the committed link collections/ansible_collections/hy3spark/cluster -> ../../..
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from hy3spark import __version__
 from hy3spark.errors import Hy3SparkError
 
 PACKAGE = Path(__file__).resolve().parent
-SHIPPED = PACKAGE / "_content"
+SHIPPED_COLLECTIONS = PACKAGE / "_content"
+SHIPPED = SHIPPED_COLLECTIONS / "ansible_collections" / "hy3spark" / "cluster"
+# Where a collections path puts hy3spark.cluster, below the path itself.
+COLLECTION = Path("ansible_collections", "hy3spark", "cluster")
 # What makes a directory hy3spark's content: the playbook every deployment runs, and the roles it runs.
 _MARKERS = ("site.yml", "roles")
 
@@ -39,6 +50,18 @@ def root() -> Path:
 def path(*parts: str) -> Path:
     """A file or directory of the content, e.g. `path("roles")`, `path("playbooks", "teardown.yml")`."""
     return root().joinpath(*parts)
+
+
+def collections() -> Path:
+    """The collections path that makes `hy3spark.cluster` this content: the wheel's `hy3spark/_content/`, or a
+    checkout's `collections/` (its link ansible_collections/hy3spark/cluster points back at the checkout)."""
+    found = root()
+    where = SHIPPED_COLLECTIONS if found == SHIPPED else found / "collections"
+    if not (where / COLLECTION).is_dir() or (where / COLLECTION).resolve() != found.resolve():
+        raise Hy3SparkError(f"{where / COLLECTION} does not lead to hy3spark's content {found}, so Ansible cannot find "
+                            "the collection hy3spark.cluster the roles call by full name; in a checkout, restore the "
+                            "committed link (git checkout -- collections), else reinstall the wheel")
+    return where
 
 
 def checkout() -> Path | None:

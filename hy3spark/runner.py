@@ -38,17 +38,17 @@ _MESSAGE_HEAD, _MESSAGE_TAIL = 2, 14  # a long failure message: its first lines 
 
 
 def ansible_envvars() -> dict[str, str]:
-    """What every ansible-runner run of ours needs: hy3spark's config, roles and plugins (from the wheel or the
-    checkout, hy3spark.content says which; named here too, so that a user's ANSIBLE_ROLES_PATH cannot swap our roles
-    for others), plain output, a UTF-8 locale (ansible refuses LC_ALL=C), and this interpreter's bin directory first
+    """What every ansible-runner run of ours needs: hy3spark's config, roles and collection (from the wheel or the
+    checkout, hy3spark.content says which; named here too, so that a user's ANSIBLE_ROLES_PATH or
+    ANSIBLE_COLLECTIONS_PATH cannot swap our roles or plugins for others: the roles call the plugins by full name,
+    hy3spark.cluster.*, and the other collections they use come with the `ansible` package on ansible-core's own
+    sys.path), plain output, a UTF-8 locale (ansible refuses LC_ALL=C), and this interpreter's bin directory first
     on PATH, so that a `hy3spark` run from a venv that was never activated still finds that venv's
     `ansible-playbook` and `ansible`."""
     return {
         "ANSIBLE_CONFIG": str(content.path("ansible.cfg")),
         "ANSIBLE_ROLES_PATH": str(content.path("roles")),
-        "ANSIBLE_LOOKUP_PLUGINS": str(content.path("plugins", "lookup")),
-        "ANSIBLE_LIBRARY": str(content.path("plugins", "modules")),
-        "ANSIBLE_FILTER_PLUGINS": str(content.path("plugins", "filter")),
+        "ANSIBLE_COLLECTIONS_PATH": str(content.collections()),
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_NOCOLOR": "1",
         "LC_ALL": "C.UTF-8",

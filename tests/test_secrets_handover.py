@@ -56,8 +56,8 @@ PLAYBOOK = """\
     - name: Check that the lookup hands over both secrets
       ansible.builtin.assert:
         that:
-          - lookup('hy3spark_secret', 'HF_TOKEN') | hash('sha256') == hf_token_sha256
-          - lookup('hy3spark_secret', 'VLLM_API_KEY') | hash('sha256') == api_key_sha256
+          - lookup('hy3spark.cluster.hy3spark_secret', 'HF_TOKEN') | hash('sha256') == hf_token_sha256
+          - lookup('hy3spark.cluster.hy3spark_secret', 'VLLM_API_KEY') | hash('sha256') == api_key_sha256
       no_log: true
     - name: Fail when the test asks for a failed run
       ansible.builtin.fail:

@@ -10,6 +10,7 @@ checkout; the shipped ansible.cfg works from inside the package; run records go 
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +30,11 @@ WHEELHOUSE = REPO / ".cache" / "wheel-test"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 EXAMPLE = "hy3-two-spark.yml"
 # The variables that would let a child find the checkout or the test's venv instead of its own.
-LEAKY = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "ANSIBLE_CONFIG", "ANSIBLE_ROLES_PATH", "ANSIBLE_LOOKUP_PLUGINS")
+LEAKY = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "ANSIBLE_CONFIG", "ANSIBLE_ROLES_PATH", "ANSIBLE_COLLECTIONS_PATH",
+         "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")
+# Where the wheel puts the content: the collection hy3spark.cluster under a collections path of its own, so that the
+# roles' full plugin names (hy3spark.cluster.hy3spark_secret) resolve to the shipped plugins.
+SHIPPED = Path("hy3spark", "_content", "ansible_collections", "hy3spark", "cluster")
 
 
 @dataclass
@@ -112,11 +117,12 @@ def test_the_package_and_its_content_are_installed_and_the_checkout_is_not_used(
     package_file, root, checkout, *path = report.splitlines()
     site = installed.venv / "lib" / "python3.11" / "site-packages"
     assert Path(package_file) == site / "hy3spark" / "__init__.py"
-    assert Path(root) == site / "hy3spark" / "_content"
+    assert Path(root) == site / SHIPPED
     assert checkout == "None"
     assert [p for p in path if p.startswith(str(REPO))] == []
     shipped = Path(root)
-    for name in ("site.yml", "ansible.cfg", "plugins/lookup/hy3spark_secret.py", "templates/serve.sh.j2"):
+    for name in ("site.yml", "ansible.cfg", "galaxy.yml", "meta/runtime.yml", "plugins/lookup/hy3spark_secret.py",
+                 "templates/serve.sh.j2"):
         assert (shipped / name).is_file(), name
     roles = sorted(p.name for p in (REPO / "roles").iterdir() if (p / "tasks" / "main.yml").is_file())
     assert roles and sorted(p.name for p in (shipped / "roles").iterdir()) == roles
@@ -141,7 +147,7 @@ def test_version_names_the_package_and_the_content(installed: Installed, empty: 
     assert package == f"hy3spark {VERSION}"
     # The content's own version (the collection's, once galaxy.yml exists) is the same one a checkout reports.
     here = checkout_cli("--version", cwd=empty).stdout.splitlines()[1]
-    assert shipped == f"{here.split(' (')[0]} (installed: {site / 'hy3spark' / '_content'})"
+    assert shipped == f"{here.split(' (')[0]} (installed: {site / SHIPPED})"
 
 
 @pytest.mark.parametrize("argv", [("render",), ("validate",), ("plan",), ("profiles",), ("render", "--format", "json")])
@@ -173,7 +179,8 @@ def test_the_shipped_example_renders_as_the_checkout_renders_it(installed: Insta
 
 
 def test_the_shipped_ansible_cfg_works_from_inside_the_package(installed: Installed, empty: Path) -> None:
-    """Only ANSIBLE_CONFIG is given: roles_path and lookup_plugins in it resolve against its own directory."""
+    """Only ANSIBLE_CONFIG is given: roles_path and collections_path in it resolve against its own directory, and the
+    syntax check resolves every module the roles name by full name to the shipped copy."""
     shipped = Path(installed.python("from hy3spark import content; print(content.root())", cwd=empty))
     playbooks = [str(shipped / "site.yml"), *sorted(str(p) for p in (shipped / "playbooks").glob("*.yml"))]
     env = {**installed.env, "ANSIBLE_CONFIG": str(shipped / "ansible.cfg")}
@@ -183,9 +190,16 @@ def test_the_shipped_ansible_cfg_works_from_inside_the_package(installed: Instal
     assert str(REPO) not in proc.stdout + proc.stderr
     envvars = installed.python("from hy3spark.runner import ansible_envvars; import json; "
                                "print(json.dumps(ansible_envvars()))", cwd=empty)
-    for key, rel in (("ANSIBLE_CONFIG", "ansible.cfg"), ("ANSIBLE_ROLES_PATH", "roles"),
-                     ("ANSIBLE_LOOKUP_PLUGINS", "plugins/lookup")):
+    for key, rel in (("ANSIBLE_CONFIG", "ansible.cfg"), ("ANSIBLE_ROLES_PATH", "roles")):
         assert f'"{key}": "{shipped / rel}"' in envvars
+    assert f'"ANSIBLE_COLLECTIONS_PATH": "{shipped.parents[2]}"' in envvars
+    # A lookup (which --syntax-check does not resolve) found by full name in the shipped copy, both ways.
+    for variables in ({"ANSIBLE_CONFIG": str(shipped / "ansible.cfg")}, json.loads(envvars)):
+        doc = subprocess.run([str(installed.venv / "bin" / "ansible-doc"), "-t", "lookup",
+                              "hy3spark.cluster.hy3spark_secret"], cwd=empty, env={**installed.env, **variables},
+                             capture_output=True, text=True, timeout=120)
+        assert doc.returncode == 0, doc.stderr
+        assert str(shipped / "plugins" / "lookup" / "hy3spark_secret.py") in doc.stdout
 
 
 def test_runs_go_to_xdg_state_home_and_runs_dir_wins(installed: Installed, empty: Path) -> None:

@@ -1,6 +1,6 @@
 """hy3spark_secret: read a secret by environment-variable NAME, without it ever passing through runner artifacts.
 
-`lookup('hy3spark_secret', 'HF_TOKEN')` returns, in order:
+`lookup('hy3spark.cluster.hy3spark_secret', 'HF_TOKEN')` returns, in order:
 1. the controller's environment variable (the `ansible-playbook site.yml` path: the user exported it);
 2. the same NAME from the 0600 file named by HY3SPARK_SECRETS_FILE (the `hy3spark up` path: ansible-runner copies
    the child's whole environment into artifacts/*/command, so the CLI takes secrets out of the environment and
