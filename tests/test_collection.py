@@ -70,6 +70,7 @@ def test_the_tarball_holds_the_collection_and_nothing_else(installed: tuple[Path
     assert "collections" not in tops
     with tarfile.open(tarball) as archive:
         assert [m.name for m in archive.getmembers() if m.issym() or m.islnk()] == []
+    assert "plugins/module_utils/earlyoom.py" in names
     assert {f"plugins/modules/{m}.py" for m in MODULES} <= names
     assert {f"playbooks/{p}.yml" for p in PLAYBOOKS} <= names
     # A role inside a collection may not carry plugins of its own: every module and filter is the collection's.

@@ -122,7 +122,7 @@ def test_the_package_and_its_content_are_installed_and_the_checkout_is_not_used(
     assert [p for p in path if p.startswith(str(REPO))] == []
     shipped = Path(root)
     for name in ("site.yml", "ansible.cfg", "galaxy.yml", "meta/runtime.yml", "plugins/lookup/hy3spark_secret.py",
-                 "templates/serve.sh.j2"):
+                 "plugins/module_utils/earlyoom.py", "templates/serve.sh.j2"):
         assert (shipped / name).is_file(), name
     roles = sorted(p.name for p in (REPO / "roles").iterdir() if (p / "tasks" / "main.yml").is_file())
     assert roles and sorted(p.name for p in (shipped / "roles").iterdir()) == roles

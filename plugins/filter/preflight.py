@@ -19,9 +19,11 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+# The earlyoom argument parser the module hy3spark_earlyoom_info uses as well: one reading of the file for both.
+from ansible_collections.hy3spark.cluster.plugins.module_utils import earlyoom as earlyoom_args
 
 STATUSES = ("fail", "warn", "skip", "info", "pass")
 # ansible_facts.architecture -> the name docker image inspect reports.
@@ -436,48 +438,6 @@ def _b64(slurp: Mapping[str, Any] | None) -> str | None:
     return base64.b64decode(slurp["content"]).decode("utf-8", "replace")
 
 
-def _env_file_value(raw: str) -> str:
-    """The value of one `KEY=value` line as systemd's EnvironmentFile= reads it: a value opening with a quote runs to
-    the closing quote (in double quotes a backslash escapes \\, ", ` and $); what follows, like an unquoted value,
-    is kept as written, spaces and a `#` included, with backslash escapes resolved and trailing whitespace dropped."""
-    text, value, i = raw.lstrip(), "", 0
-    if text[:1] in ("'", '"'):
-        quote, i = text[0], 1
-        while i < len(text) and text[i] != quote:
-            if quote == '"' and text[i] == "\\" and text[i + 1:i + 2] in ('"', "\\", "`", "$"):
-                i += 1
-            value += text[i]
-            i += 1
-        i += 1  # the closing quote
-    return value + re.sub(r"\\(.)", r"\1", text[i:]).rstrip()
-
-
-def _file_args(text: str) -> list[str] | None:
-    """EARLYOOM_ARGS as earlyoom receives it: the EnvironmentFile value (the last assignment wins), then systemd
-    splits $EARLYOOM_ARGS at whitespace and removes quotes as a shell would, so --prefer '(a|b)' arrives as (a|b)."""
-    value = None
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:export\s+)?EARLYOOM_ARGS=(.*)$", line)
-        if m:
-            value = _env_file_value(m.group(1))
-    if value is None:
-        return None
-    try:
-        return shlex.split(value)
-    except ValueError:
-        return value.split()
-
-
-def _option(args: Sequence[str], name: str) -> str | None:
-    found = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            found = args[i + 1]
-        elif arg.startswith(name + "="):
-            found = arg.split("=", 1)[1]
-    return found
-
-
 def _provenance(text: str, managed: str) -> str:
     head = [line for line in text.splitlines()[:12] if line.startswith("#")]
     for line in head:
@@ -520,10 +480,10 @@ def earlyoom(conf: Mapping[str, Any], status: Mapping[str, Any], cmdline: Mappin
     if text is None and running is None:
         return [row(node, "earlyoom", "info", expected,
                     f"earlyoom not installed/running ({conf_path} absent); spec policy: {policy}")]
-    file_args = _file_args(text) if text is not None else None
+    file_args = earlyoom_args.file_args(text) if text is not None else None
     args = running if running is not None else (file_args or [])
     origin = _provenance(text, managed) if text is not None else "no config file"
-    prefer, avoid = _option(args, "--prefer"), _option(args, "--avoid")
+    prefer, avoid = earlyoom_args.option(args, "--prefer"), earlyoom_args.option(args, "--avoid")
     killed, avoided = _matches(prefer, names), _matches(avoid, names)
     state = "running" if running is not None else "not running"
     parts = [f"{state}; config from: {origin}",

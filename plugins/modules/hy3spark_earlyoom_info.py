@@ -6,9 +6,17 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shlex
 
 from ansible.module_utils.basic import AnsibleModule
+
+# How the unit hands EARLYOOM_ARGS to earlyoom: the same reading the preflight filter makes of the file.
+from ansible_collections.hy3spark.cluster.plugins.module_utils.earlyoom import (
+    assignment,
+    env_file_value,
+    option,
+    quoting_problem,
+    split_args,
+)
 
 DOCUMENTATION = r"""
 module: hy3spark_earlyoom_info
@@ -48,7 +56,7 @@ author: hy3spark
 
 EXAMPLES = r"""
 - name: Inspect earlyoom
-  hy3spark_earlyoom_info:
+  hy3spark.cluster.hy3spark_earlyoom_info:
     managed_marker: "{{ hy3spark.managed }}"
     protect_names: [vllm, ray, python3]
   register: found
@@ -84,7 +92,6 @@ summary:
 
 SPARKRUN_HEADER = "# Configured by: sparkrun setup earlyoom"
 COMM_LEN = 15  # TASK_COMM_LEN - 1: earlyoom matches its regexes against /proc/<pid>/comm
-_ASSIGN = re.compile(r"^\s*(?:export\s+)?EARLYOOM_ARGS=(.*)$")
 
 
 def _read(path):
@@ -93,23 +100,6 @@ def _read(path):
             return fh.read()
     except FileNotFoundError:
         return None
-
-
-def _env_value(raw):
-    """The value of EARLYOOM_ARGS= as systemd's EnvironmentFile parser yields it (quotes removed)."""
-    try:
-        words = shlex.split(raw, comments=True, posix=True)
-    except ValueError:
-        return raw.strip(), "unbalanced quotes in EARLYOOM_ARGS"
-    return " ".join(words), None
-
-
-def _split(value):
-    """$EARLYOOM_ARGS in ExecStart= is split at whitespace with quotes honoured (systemd's EXTRACT_UNQUOTE)."""
-    try:
-        return shlex.split(value, posix=True)
-    except ValueError:
-        return value.split()
 
 
 def _config(path, marker, package):
@@ -131,11 +121,11 @@ def _config(path, marker, package):
         info["provenance"] = "package-default"
     else:
         info["provenance"] = "unknown"
-    assigned = [m.group(1) for m in (_ASSIGN.match(line) for line in lines) if m]
-    if assigned:
-        value, problem = _env_value(assigned[-1])
-        info["args"] = value
-        info["argv"] = _split(value)
+    raw = assignment(text)
+    if raw is not None:
+        info["args"] = env_file_value(raw)  # the value systemd's EnvironmentFile= parser yields
+        info["argv"] = split_args(info["args"])  # what ExecStart='s $EARLYOOM_ARGS makes of it
+        problem = quoting_problem(raw)
         if problem:
             info["problems"].append(problem)
     return info
@@ -189,17 +179,6 @@ def _service(module, unit):
     return info
 
 
-def _option(argv, long_name):
-    """The last value of --name X / --name=X, as earlyoom's getopt_long reads it."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == long_name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(long_name + "="):
-            value = arg[len(long_name) + 1:]
-    return value
-
-
 def _compile(pattern, flag, problems):
     if pattern is None:
         return None
@@ -211,9 +190,9 @@ def _compile(pattern, flag, problems):
 
 
 def _risks(argv, names, problems):
-    prefer = _compile(_option(argv, "--prefer"), "--prefer", problems)
-    avoid = _compile(_option(argv, "--avoid"), "--avoid", problems)
-    ignore = _compile(_option(argv, "--ignore"), "--ignore", problems)
+    prefer = _compile(option(argv, "--prefer"), "--prefer", problems)
+    avoid = _compile(option(argv, "--avoid"), "--avoid", problems)
+    ignore = _compile(option(argv, "--ignore"), "--ignore", problems)
     at_risk = []
     for name in names:
         comm = name[:COMM_LEN]
@@ -224,8 +203,8 @@ def _risks(argv, names, problems):
         elif not (avoid and avoid.search(comm)):
             at_risk.append({"name": name, "comm": comm,
                             "reason": "not in --avoid: chosen by size like any process, and the engine is the largest"})
-    regexes = {"prefer": _option(argv, "--prefer"), "avoid": _option(argv, "--avoid"),
-               "ignore": _option(argv, "--ignore")}
+    regexes = {"prefer": option(argv, "--prefer"), "avoid": option(argv, "--avoid"),
+               "ignore": option(argv, "--ignore")}
     return at_risk, regexes
 
 

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import importlib.util
 import json
 import random
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-_PLUGIN = Path(__file__).resolve().parents[4] / "plugins" / "filter" / "preflight.py"
+_REPO = Path(__file__).resolve().parents[4]
+# The filter imports the earlyoom argument parser it shares with the module hy3spark_earlyoom_info by its full name
+# (ansible_collections.hy3spark.cluster.plugins.module_utils.earlyoom), as Ansible resolves it: the checkout's link
+# collections/ansible_collections/hy3spark/cluster -> the repo makes that name importable here too.
+sys.path.insert(0, str(_REPO / "collections"))
+eo = importlib.import_module("ansible_collections.hy3spark.cluster.plugins.module_utils.earlyoom")
+_PLUGIN = _REPO / "plugins" / "filter" / "preflight.py"
 _spec = importlib.util.spec_from_file_location("preflight_filters", _PLUGIN)
 assert _spec and _spec.loader
 pf = importlib.util.module_from_spec(_spec)
@@ -757,28 +765,28 @@ def test_files_by_path_keeps_the_first_value():
 
 # --- earlyoom in detail ---------------------------------------------------------------------------------------
 def test_earlyoom_args_file_parsing():
-    assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a|b)\'"\n') == ["-m", "3", "--prefer", "(a|b)"]
+    assert eo.file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a|b)\'"\n') == ["-m", "3", "--prefer", "(a|b)"]
     # systemd keeps what follows the closing quote, a `#` included (it is no comment there), as earlyoom gets it.
-    assert pf._file_args('export EARLYOOM_ARGS="-r 60"  # a comment\n') == ["-r", "60", "#", "a", "comment"]
-    assert pf._file_args('EARLYOOM_ARGS="-r 60"#c\n') == ["-r", "60#c"]
+    assert eo.file_args('export EARLYOOM_ARGS="-r 60"  # a comment\n') == ["-r", "60", "#", "a", "comment"]
+    assert eo.file_args('EARLYOOM_ARGS="-r 60"#c\n') == ["-r", "60#c"]
     # In double quotes \" is a quote; after them, \# is a plain #.
-    assert pf._env_file_value(r'"-m \"3\" \d" x\#y  ') == r'-m "3" \d x#y'
-    assert pf._env_file_value(r"'-m \"3\"'") == r'-m \"3\"'
-    assert pf._file_args("  EARLYOOM_ARGS=-m\n") == ["-m"]
+    assert eo.env_file_value(r'"-m \"3\" \d" x\#y  ') == r'-m "3" \d x#y'
+    assert eo.env_file_value(r"'-m \"3\"'") == r'-m \"3\"'
+    assert eo.file_args("  EARLYOOM_ARGS=-m\n") == ["-m"]
     # The last assignment wins, as in a shell.
-    assert pf._file_args('EARLYOOM_ARGS="-m 1"\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
-    assert pf._file_args("# EARLYOOM_ARGS=-m 5\nOTHER=1\n") is None
-    assert pf._file_args("EARLYOOM_ARGS=\n") == []
+    assert eo.file_args('EARLYOOM_ARGS="-m 1"\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
+    assert eo.file_args("# EARLYOOM_ARGS=-m 5\nOTHER=1\n") is None
+    assert eo.file_args("EARLYOOM_ARGS=\n") == []
     # Unbalanced quotes: earlyoom would get the raw words.
-    assert pf._file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a"\n') == ["-m", "3", "--prefer", "'(a"]
-    assert pf._file_args("EARLYOOM_ARGS='-m 3\n") == ["-m", "3"]
+    assert eo.file_args('EARLYOOM_ARGS="-m 3 --prefer \'(a"\n') == ["-m", "3", "--prefer", "'(a"]
+    assert eo.file_args("EARLYOOM_ARGS='-m 3\n") == ["-m", "3"]
 
 
 def test_earlyoom_option_forms():
-    assert pf._option(["--prefer", "a", "--prefer=b"], "--prefer") == "b"
-    assert pf._option(["--prefer=x=y"], "--prefer") == "x=y"
-    assert pf._option(["-m", "3", "--prefer"], "--prefer") is None
-    assert pf._option(["--preferred", "a"], "--prefer") is None
+    assert eo.option(["--prefer", "a", "--prefer=b"], "--prefer") == "b"
+    assert eo.option(["--prefer=x=y"], "--prefer") == "x=y"
+    assert eo.option(["-m", "3", "--prefer"], "--prefer") is None
+    assert eo.option(["--preferred", "a"], "--prefer") is None
 
 
 def test_earlyoom_provenance():
@@ -926,7 +934,7 @@ def test_hca_whose_netdev_sits_on_a_higher_port_is_not_on_the_fabric_port():
 
 
 def test_earlyoom_unquoted_args_are_one_value_as_systemd_reads_them():
-    assert pf._file_args("EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n") == ["-m", "3", "--prefer", "(vllm|python)"]
+    assert eo.file_args("EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n") == ["-m", "3", "--prefer", "(vllm|python)"]
     # The file's unquoted --prefer is what a stopped earlyoom would start with.
     text = "EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n"
     r = by(pf.earlyoom(slurp(text), NOT_RUNNING, {"skipped": True}, "n", "leave", MANAGED, NAMES), "earlyoom")
@@ -934,7 +942,7 @@ def test_earlyoom_unquoted_args_are_one_value_as_systemd_reads_them():
 
 
 def test_earlyoom_option_value_at_an_odd_position():
-    assert pf._option(["-m", "--prefer", "a"], "--prefer") == "a"
+    assert eo.option(["-m", "--prefer", "a"], "--prefer") == "a"
 
 
 def test_earlyoom_running_with_more_args_than_the_file_is_a_pending_restart():
@@ -1081,11 +1089,11 @@ def test_hca_is_judged_against_the_first_fabric_interface():
 
 
 def test_earlyoom_the_last_assignment_wins_after_an_unquoted_one():
-    assert pf._file_args('EARLYOOM_ARGS=-m 1\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
+    assert eo.file_args('EARLYOOM_ARGS=-m 1\nEARLYOOM_ARGS="-m 2"\n') == ["-m", "2"]
 
 
 def test_earlyoom_option_without_a_value_at_an_odd_position():
-    assert pf._option(["-m", "--prefer"], "--prefer") is None
+    assert eo.option(["-m", "--prefer"], "--prefer") is None
 
 
 def test_earlyoom_provenance_header_on_the_twelfth_line_counts():
@@ -1103,5 +1111,5 @@ def test_earlyoom_long_quoted_value_without_its_closing_quote_on_the_line():
     # A quoted value continued on the next line (systemd allows it) has no closing quote on its first line; a long
     # --avoid list makes such a line longer than 256 characters.
     words = " ".join(f"proc{i}" for i in range(60))
-    assert pf._env_file_value(f'"-m 3 --avoid {words}') == f"-m 3 --avoid {words}"
-    assert pf._file_args(f'EARLYOOM_ARGS="-m 3 --avoid {words}\n')[-1] == "proc59"
+    assert eo.env_file_value(f'"-m 3 --avoid {words}') == f"-m 3 --avoid {words}"
+    assert eo.file_args(f'EARLYOOM_ARGS="-m 3 --avoid {words}\n')[-1] == "proc59"
