@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hy3spark.context import ENGINE_START
+from hy3spark.context import ENGINE_START, client_url
 from hy3spark.playbooks import AnsibleArgs, run
 from hy3spark.records import last_record
 from hy3spark.runner import RunResult, plain
@@ -41,7 +41,8 @@ def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None,
         "cluster": loaded.spec.name,
         "nodes": nodes,
         "ray": parse_ray_status(str(head.get("ray_status", ""))),
-        "endpoint": {"url": f"http://{loaded.spec.head.fabric_ip.ip}:{loaded.spec.serving.port}",
+        # The URL clients use (the context's, honouring serving.host), without the OpenAI /v1 suffix.
+        "endpoint": {"url": client_url(loaded.spec).removesuffix("/v1"),
                      "health": head.get("health"), "models": head.get("models", [])},
         "kv_lines": [x for x in lines if "KV cache size" in x or "Maximum concurrency" in x],
         "transport": _transport(lines),

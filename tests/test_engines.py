@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from pathlib import Path
@@ -66,3 +67,15 @@ def test_each_nodes_env_carries_its_own_address_and_the_shared_settings() -> Non
         assert env["VLLM_HOST_IP"] == str(node.fabric_ip.ip)
         assert env["MASTER_ADDR"] == str(loaded.spec.head.fabric_ip.ip)
         assert env["VLLM_CONFIG_ROOT"] == build_context(loaded)["hy3spark"]["paths"]["vllm_config_root"]
+
+
+def test_the_status_endpoint_is_the_clients_url_honouring_serving_host() -> None:
+    from hy3spark.context import client_url, probe_url
+
+    loaded = load_spec(REPO / "examples" / "hy3-two-spark.yml")
+    spec = loaded.spec
+    head_ip, port = str(spec.head.fabric_ip.ip), spec.serving.port
+    assert str(spec.serving.host) == "0.0.0.0"
+    assert (client_url(spec), probe_url(spec)) == (f"http://{head_ip}:{port}/v1", f"http://127.0.0.1:{port}")
+    bound = spec.model_copy(update={"serving": spec.serving.model_copy(update={"host": ipaddress.IPv4Address("192.168.1.10")})})
+    assert (client_url(bound), probe_url(bound)) == (f"http://192.168.1.10:{port}/v1", f"http://192.168.1.10:{port}")
