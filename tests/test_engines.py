@@ -77,5 +77,6 @@ def test_the_status_endpoint_is_the_clients_url_honouring_serving_host() -> None
     head_ip, port = str(spec.head.fabric_ip.ip), spec.serving.port
     assert str(spec.serving.host) == "0.0.0.0"
     assert (client_url(spec), probe_url(spec)) == (f"http://{head_ip}:{port}/v1", f"http://127.0.0.1:{port}")
-    bound = spec.model_copy(update={"serving": spec.serving.model_copy(update={"host": ipaddress.IPv4Address("192.168.1.10")})})
+    host = ipaddress.IPv4Address("192.168.1.10")
+    bound = spec.model_copy(update={"serving": spec.serving.model_copy(update={"host": host})})
     assert (client_url(bound), probe_url(bound)) == (f"http://192.168.1.10:{port}/v1", f"http://192.168.1.10:{port}")
