@@ -730,3 +730,22 @@ def test_the_module_names_a_missing_argument(node: Path) -> None:
     result = json.loads(proc.stdout)
     assert (proc.returncode, result["failed"], result["msg"]) == (
         1, True, "missing required arguments: inputs, record, watch")
+
+
+def test_the_role_inputs_hashed_are_every_roles_found_beside_drift(tmp_path: Path) -> None:
+    # drift_role_prefixes asks the content lookup for the roles instead of a list each new role must join: a role
+    # added to the tree counts at once, and a misspelled term is an error, not an empty list.
+    argv = [str(Path(sys.executable).parent / "ansible"), "localhost",
+            "-m", "ansible.builtin.debug", "-a",
+            "msg={{ query('hy3spark.cluster.hy3spark_content', 'roles') | to_json }}"]
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_STDOUT_CALLBACK": "json",
+           "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"}
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    roles = json.loads(json.loads(out)["plays"][0]["tasks"][0]["hosts"]["localhost"]["msg"])
+    on_disk = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "meta" / "main.yml").is_file())
+    assert roles == on_disk and {"drift", "ray_node", "vllm_serve"} <= set(roles)
+    defaults = (ROOT / "roles" / "drift" / "defaults" / "main.yml").read_text()
+    assert "query('hy3spark.cluster.hy3spark_content', 'roles') | reject('equalto', 'drift')" in defaults
+    argv[-1] = "msg={{ query('hy3spark.cluster.hy3spark_content', 'rolez') }}"
+    bad = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "takes no term (the digest) or 'roles', not ['rolez']" in bad.stdout + bad.stderr
