@@ -89,16 +89,24 @@ def file_state(path: str) -> object:
     return entry
 
 
-def tree_state(root: str) -> object:
+def walk_state(root: str, entry, skip: frozenset = frozenset(), dir_links: bool = False) -> object:
+    """Every entry below `root` (itself as "."), by relative path, as `entry` describes it; "missing" if no directory.
+    `skip`: directory names not entered; `dir_links`: list the links to directories too (os.walk does not enter
+    them)."""
     if not os.path.isdir(root):
         return "missing"
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in [".", *sorted(filenames)]:
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))] if dir_links else []
+        for name in [".", *sorted(filenames), *links]:
             path = os.path.normpath(os.path.join(dirpath, name))
-            out[os.path.relpath(path, root)] = file_state(path)
+            out[os.path.relpath(path, root)] = entry(path)
     return out
+
+
+def tree_state(root: str) -> object:
+    return walk_state(root, file_state)
 
 
 def model_entry(path: str) -> dict:
@@ -117,17 +125,8 @@ def model_entry(path: str) -> dict:
 
 
 def model_state(root: str) -> object:
-    if not os.path.isdir(root):
-        return "missing"
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        # huggingface_hub's markers of files a repo does not have (written when the engine looks for one): not model.
-        dirnames[:] = sorted(d for d in dirnames if d != ".no_exist")
-        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # os.walk does not enter them
-        for name in [".", *sorted(filenames), *links]:
-            path = os.path.normpath(os.path.join(dirpath, name))
-            out[os.path.relpath(path, root)] = model_entry(path)
-    return out
+    # huggingface_hub's markers of files a repo does not have (written when the engine looks for one): not model.
+    return walk_state(root, model_entry, skip=frozenset({".no_exist"}), dir_links=True)
 
 
 def run(argv: list[str]) -> tuple[int, str]:
