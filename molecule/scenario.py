@@ -5,11 +5,13 @@ scenario's tests say `from scenario import node, playbook`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import testinfra
@@ -94,3 +96,19 @@ def variant_inventory(directory: Path, rendered_inventory: Path) -> Path:
             link.unlink()
         link.symlink_to(rendered_inventory / name, target_is_directory=True)
     return target
+
+
+@contextlib.contextmanager
+def killed_on_start(host: testinfra.host.Host, container: str) -> Iterator[None]:
+    """While in the block, every start of `container` on `host` is killed at once (SIGKILL, exit code 137), as the
+    kernel's OOM killer would: a transient systemd unit follows `docker events`. The container is removed first."""
+    host.check_output(f"docker rm -f {container}")
+    host.run("systemctl reset-failed hy3spark-fault-killer")
+    host.check_output(
+        "systemd-run --unit hy3spark-fault-killer sh -c %s",
+        f"docker events --filter type=container --filter event=start --filter container={container}"
+        f" --format x | while read -r _; do docker kill {container}; done")
+    try:
+        yield
+    finally:
+        host.run("systemctl stop hy3spark-fault-killer")

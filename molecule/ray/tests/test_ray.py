@@ -70,21 +70,12 @@ def test_fault_pinned_ray_version_differs() -> None:
 
 
 def test_fault_head_dies_then_recovers() -> None:
-    host = node()
-    host.check_output(f"docker rm -f {CONTAINER}")
-    host.run("systemctl reset-failed hy3spark-fault-killer")
-    host.check_output(
-        "systemd-run --unit hy3spark-fault-killer sh -c %s",
-        f"docker events --filter type=container --filter event=start --filter container={CONTAINER}"
-        f" --format x | while read -r _; do docker kill {CONTAINER}; done")
-    try:
+    with scenario.killed_on_start(node(), CONTAINER):
         result = playbook(str(SCENARIO / "converge.yml"))
         out = result.stdout + result.stderr
         assert result.returncode != 0, out
         assert "Ray reports 0 of 1 nodes and 0 of 1 GPUs" in out, out
         assert f"Missing: {NODE} ({IP}): container {CONTAINER} exited with exit code 137 (SIGKILL)" in out, out
-    finally:
-        host.run("systemctl stop hy3spark-fault-killer")
     result = playbook(str(SCENARIO / "converge.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
     test_ray_reports_one_node_and_one_gpu()
