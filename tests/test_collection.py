@@ -65,6 +65,7 @@ def test_the_tarball_holds_the_collection_and_nothing_else(installed: tuple[Path
         names = set(archive.getnames())
     assert {"roles", "playbooks", "plugins", "templates", "meta", "MANIFEST.json", "FILES.json"} <= tops
     assert not tops & {"hy3spark", "tests", "molecule", ".venv", ".cache", "inventory", "bench", "scripts", "runs"}
+    assert [t for t in tops if t.endswith(".egg-info")] == [], "the Python package's metadata is not the collection's"
     # The checkout's link collections/ansible_collections/hy3spark/cluster -> ../../.. stays out (a loop inside it).
     assert (REPO / "collections/ansible_collections/hy3spark/cluster").resolve() == REPO
     assert "collections" not in tops
