@@ -136,7 +136,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                        description="Render the spec's inventory, run site.yml (preflight, network, earlyoom, image + "
                                    "model, Ray head and workers, vLLM) with live progress, and write a run record "
                                    "(JSON under runs/records/ and one line in runs/labbook.md).",
-                       epilog="--tags, --skip-tags (naming one of site.yml's tags) and --limit make a partial run: "
+                       epilog="--tags, --skip-tags and --limit make a partial run: "
                               "the roles run whatever the drift check finds, and the nodes keep the record of their "
                               "last complete run. The status collected after the run gets the same -e (not the "
                               "rest). With --check the lab notebook line says so.")
