@@ -72,7 +72,7 @@ READ = re.compile(r"\b(hy3spark_node|hy3spark)((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 # Not context reads: file names (group_vars/all/hy3spark.yml), the Python package in prose (hy3spark.spec), and the
 # collection's full names (hy3spark.cluster.site, hy3spark.cluster.hy3spark_secret).
 NOT_READS = {"yml", "j2", "json", "spec", "context", "cli", "nccl", "capacity", "planning", "render", "runner",
-             "content", "engines", "bench", "drift", "operate", "profiles", "errors", "transport", "secrets_file"}
+             "content", "engines", "bench", "drift", "profiles", "errors", "transport", "secrets_file"}
 
 
 def collection_names() -> set[str]:
