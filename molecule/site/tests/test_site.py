@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import scenario
+import yaml
 from scenario import RAY_NODES, REPO, flat, node, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
@@ -365,6 +366,53 @@ def test_fault_nccl_falls_back_to_sockets_on_the_worker() -> None:
         assert not any(e.startswith("VLLM_DOUBLE_NCCL_NET=") for e in inspect(name)["Config"]["Env"]), name
     assert "NET/Socket" not in out, out
     test_completion_returns_text()
+
+
+# --- the collection as an ops engineer installs it ----------------------------------------------------------------
+
+
+def test_the_installed_collection_runs_site_by_full_name() -> None:
+    """`ansible-galaxy collection build` + `install`, then `ansible-playbook hy3spark.cluster.site` with none of the
+    checkout's role or plugin paths: the roles call every plugin by full name, so every task, module, filter and
+    lookup must come from the installed copy. On the healthy cluster the fault cases left behind it changes nothing:
+    first as is (the drift check finds every node in sync with the record the checkout's runs wrote, the installed
+    content being byte for byte the same), then forced through every role (drift_full_run), which is what runs the
+    modules, filters and lookups. Here, after the faults and before teardown, the cluster is converged and serving."""
+    work = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "collection"
+    work.mkdir(exist_ok=True)
+    build = subprocess.run(["ansible-galaxy", "collection", "build", "--force", "--output-path", str(work), str(REPO)],
+                           capture_output=True, text=True, check=False)
+    assert build.returncode == 0, build.stdout + build.stderr
+    (tarball,) = work.glob("hy3spark-cluster-*.tar.gz")
+    installed = work / "collections"
+    install = subprocess.run(["ansible-galaxy", "collection", "install", "--force", "-p", str(installed), str(tarball)],
+                             capture_output=True, text=True, check=False)
+    assert install.returncode == 0, install.stdout + install.stderr
+    collection = installed / "ansible_collections" / "hy3spark" / "cluster"
+    # converge.yml's test-only play inputs (see there), as extra vars: the same values, so the same run inputs.
+    inputs = work / "converge-vars.yml"
+    inputs.write_text(yaml.safe_dump(yaml.safe_load((SCENARIO / "converge.yml").read_text())[0]["vars"]))
+    # community.docker and the other collections come with the `ansible` package, on ansible-core's own sys.path.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ANSIBLE_ROLES_PATH", "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")}
+    env.update(ANSIBLE_COLLECTIONS_PATH=str(installed), ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", COLUMNS="1000")
+    inventory = str(Path(scenario.INVENTORY).parent)
+    for extra, says in (((), "Every node matches its last complete run"),
+                        (("-e", "drift_full_run=true"), "drift_full_run is set: every role runs.")):
+        argv = ["ansible-playbook", "hy3spark.cluster.site", "-i", inventory, "-vv", "-e", f"@{inputs}", *extra]
+        result = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=900, check=False)
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-20000:]
+        assert says in flat(out), out[-20000:]
+        assert recap(out) == {HEAD: 0, WORKER: 0}, out[-20000:]
+        paths = sorted(set(re.findall(r"^task path: (\S+):\d+$", out, re.M)))
+        assert paths and [p for p in paths if not p.startswith(f"{collection}/")] == [], paths
+        assert API_KEY not in out
+    # The forced run went through every role from the installed copy, plugins included.
+    for role in ("preflight", "network", "earlyoom", "image", "model_sync", "ray_node", "vllm_serve"):
+        assert any(p.startswith(f"{collection}/roles/{role}/") for p in paths), role
+    assert all(ok > 50 for ok in recap(out, "ok").values()), out[-20000:]
+    test_idempotent_run_left_the_engine_and_containers_alone()
 
 
 # --- the way back -----------------------------------------------------------------------------------------------------
