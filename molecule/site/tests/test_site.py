@@ -278,16 +278,9 @@ def test_hand_edit_on_one_node_runs_the_roles_and_is_repaired() -> None:
 
 
 def test_fault_worker_dies_before_serving() -> None:
-    worker = node(WORKER)
     # The worker's Ray container dies as soon as it starts (killed, as the kernel's OOM killer would): a watcher on
     # the worker kills every start of it. The run must fail at the Ray gate, before serving, and say why.
-    worker.check_output(f"docker rm -f {CONTAINER[WORKER]}")
-    worker.run("systemctl reset-failed hy3spark-fault-killer")
-    worker.check_output(
-        "systemd-run --unit hy3spark-fault-killer sh -c %s",
-        f"docker events --filter type=container --filter event=start --filter container={CONTAINER[WORKER]}"
-        f" --format x | while read -r _; do docker kill {CONTAINER[WORKER]}; done")
-    try:
+    with scenario.killed_on_start(node(WORKER), CONTAINER[WORKER]):
         result = playbook(str(SCENARIO / "converge.yml"))
         out = result.stdout + result.stderr
         assert result.returncode != 0, out
@@ -295,8 +288,6 @@ def test_fault_worker_dies_before_serving() -> None:
         assert (f"{WORKER} ({FABRIC_IP[WORKER]}): container {CONTAINER[WORKER]} exited with exit code 137 (SIGKILL)"
                 in out), out
         assert "GPU KV cache size" not in out, "the engine must not be started on a broken cluster"
-    finally:
-        worker.run("systemctl stop hy3spark-fault-killer")
     result = playbook(str(SCENARIO / "converge.yml"), "-v")
     assert result.returncode == 0, result.stdout + result.stderr
     assert API_KEY not in result.stdout + result.stderr
