@@ -32,6 +32,8 @@ CASES = {
     # systemd keeps what follows the closing quote, a `#` included: it is no comment there.
     "trailing text": ('export EARLYOOM_ARGS="-r 60"  # a comment\n', "-r 60  # a comment",
                       ["-r", "60", "#", "a", "comment"], None),
+    "unquoted": ("EARLYOOM_ARGS=-m 3 --prefer (vllm|python)\n", "-m 3 --prefer (vllm|python)",
+                 ["-m", "3", "--prefer", "(vllm|python)"], None),
     "last line wins": ("EARLYOOM_ARGS=-m 1\n# EARLYOOM_ARGS=-m 9\nEARLYOOM_ARGS='-m 2'\n", "-m 2", ["-m", "2"], None),
     "unclosed file quote": ('EARLYOOM_ARGS="-m 3 -s 5\n', "-m 3 -s 5", ["-m", "3", "-s", "5"], eo.UNBALANCED),
     "unclosed value quote": ("EARLYOOM_ARGS=\"-m 3 --prefer '(a\"\n", "-m 3 --prefer '(a",
@@ -88,3 +90,12 @@ def test_option_takes_the_last_value_of_either_form() -> None:
     assert eo.option(["--prefer=b", "--prefer", "a"], "--prefer") == "a"
     assert eo.option(["-m", "3", "--prefer"], "--prefer") is None
     assert eo.option(["--preferred", "a"], "--prefer") is None
+
+
+def test_an_unclosed_quote_is_found_on_a_line_of_any_length() -> None:
+    """A long --avoid list (hundreds of characters) with its closing quote lost: still named."""
+    words = " ".join(f"proc{i}" for i in range(60))
+    raw = f'"-m 3 --avoid {words}'
+    assert len(raw) > 300
+    assert eo.quoting_problem(raw) == eo.UNBALANCED
+    assert eo.quoting_problem(raw + '"') is None
