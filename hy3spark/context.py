@@ -15,7 +15,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 from hy3spark import __version__
-from hy3spark.engines import SECRET_NAMES, engine_for
+from hy3spark.engines import SECRET_NAMES, Engine, engine_for
 from hy3spark.spec import Loaded, Node, Spec
 
 MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
@@ -24,6 +24,7 @@ CONFIG_DIR = "/etc/hy3spark"
 LOG_DIR = "/var/log/hy3spark"
 STATE_DIR = "/var/lib/hy3spark"
 SERVE_LOG = f"{LOG_DIR}/serve.log"
+VLLM_CONFIG_ROOT = f"{CONFIG_DIR}/vllm"
 # The serve script's first line at each engine start (templates/serve.sh.j2 prints it): everything logged after
 # the last such line belongs to the running engine. The roles, `hy3spark logs` and status split the log on it.
 ENGINE_START = "hy3spark: starting "
@@ -190,7 +191,7 @@ class Context(TypedDict):
     nodes: dict[str, NodeContext]
 
 
-def _env_for(spec: Spec, node: Node) -> dict[str, str]:
+def _env_for(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
     """The per-node env file: the settings every engine shares, laid out by the engine around its own."""
     iface = spec.fabric.interfaces[0]
     common = {
@@ -206,7 +207,7 @@ def _env_for(spec: Spec, node: Node) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
-    env = engine_for(spec).node_env(node, common)
+    env = engine.node_env(node, common)
     if spec.fabric.hcas:
         # "=" makes NCCL match the names exactly; both twins of the cabled port give full bandwidth.
         env["NCCL_IB_HCA"] = "=" + ",".join(spec.fabric.hcas)
@@ -327,16 +328,20 @@ def _pi_models(spec: Spec, base_url: str) -> dict[str, Any]:
     }
 
 
+def _endpoint(spec: Spec, when_unbound: str) -> str:
+    """http://HOST:PORT of the engine: its bound address, or `when_unbound` when it binds every address."""
+    host = when_unbound if spec.serving.host.is_unspecified else str(spec.serving.host)
+    return f"http://{host}:{spec.serving.port}"
+
+
 def client_url(spec: Spec) -> str:
     """The OpenAI base URL clients use: the bound address, or the head's fabric address when it binds them all."""
-    host = str(spec.head.fabric_ip.ip) if spec.serving.host.is_unspecified else str(spec.serving.host)
-    return f"http://{host}:{spec.serving.port}/v1"
+    return _endpoint(spec, str(spec.head.fabric_ip.ip)) + "/v1"
 
 
 def probe_url(spec: Spec) -> str:
     """The engine's root URL as the head itself reaches it: the bound address, or loopback when it binds them all."""
-    host = "127.0.0.1" if spec.serving.host.is_unspecified else str(spec.serving.host)
-    return f"http://{host}:{spec.serving.port}"
+    return _endpoint(spec, "127.0.0.1")
 
 
 def build_context(loaded: Loaded) -> Context:
@@ -359,7 +364,7 @@ def build_context(loaded: Loaded) -> Context:
             "mgmt_ip": str(node.mgmt_ip) if node.mgmt_ip else None,
             "ssh_host": node.connect_host,
             "ssh_user": node.ssh_user,
-            "env": _env_for(spec, node),
+            "env": _env_for(spec, engine, node),
             "container": container,
             "docker_run": docker_run_line(container),
         }
@@ -381,7 +386,7 @@ def build_context(loaded: Loaded) -> Context:
             "secrets_env": f"{CONFIG_DIR}/secrets.env",
             "serve_script": f"{CONFIG_DIR}/serve.sh",
             "serve_log": SERVE_LOG,
-            "vllm_config_root": f"{CONFIG_DIR}/vllm",
+            "vllm_config_root": VLLM_CONFIG_ROOT,
         },
         "head": spec.head.name,
         "workers": [w.name for w in spec.workers],
@@ -430,7 +435,7 @@ def build_context(loaded: Loaded) -> Context:
             # Workers keep their own NCCL/UCX/GLOO settings: vLLM's Ray executor would copy the head's otherwise.
             # The secrets the serve script exports stay on the head too: vLLM copies VLLM_* and HF_TOKEN into the
             # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.
-            "non_carry_over_env": sorted({k for k in nodes[spec.head.name]["env"] if _per_node_env(k)} | SECRET_ENV),
+            "non_carry_over_env": sorted({k for k in nodes[spec.head.name]["env"] if _per_node_env(k)} | SECRET_NAMES),
         },
         "engine": {
             "name": engine.name,
@@ -476,10 +481,6 @@ def plan_summary(loaded: Loaded) -> Plan:
         "errors": [p.message for p in plan.problems if p.severity == "error"],
         "warnings": [p.message for p in plan.problems if p.severity == "warning"],
     }
-
-
-# Every variable the serve script may export from the 0600 secrets file (what any engine's secret_env may name).
-SECRET_ENV = SECRET_NAMES
 
 
 def _per_node_env(name: str) -> bool:

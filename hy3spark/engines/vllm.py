@@ -23,9 +23,9 @@ class VllmEngine:
     def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]:
         """The node's env file: VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake),
         VLLM_CONFIG_ROOT holds ray_non_carry_over_env_vars.json (the vllm_serve role writes it)."""
-        from hy3spark.context import CONFIG_DIR  # the context imports the engines
+        from hy3spark.context import VLLM_CONFIG_ROOT  # the context imports the engines
 
-        return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": f"{CONFIG_DIR}/vllm"}
+        return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
 
     def process(self) -> dict[str, str]:
         """How the engine's process is recognised in /proc: an argv word named `exe` followed by `arg`."""
