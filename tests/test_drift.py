@@ -528,18 +528,21 @@ def test_a_unit_whose_main_process_just_exited_is_observed_without_its_argv(drif
     assert world.observe(drift)["units"] == {UNIT: {"active": "active", "enabled": "enabled", "argv": None}}
 
 
+# What docker and ip show; and the observation when neither can show anything (a missing or killed tool).
+TOOL_WATCH = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
+              "processes": [{"container": CONTAINER, "match": ENGINE}]}
+TOOLS_SHOW_NOTHING = {"files": {}, "trees": {}, "units": {}, "models": {}, "interfaces": {IFACE: "missing"},
+                      "images": {REF: "missing"}, "containers": {CONTAINER: "missing"},
+                      "processes": {CONTAINER: "container not running"}}
+
+
 def test_a_node_without_docker_or_iproute2_names_them_missing(drift: ModuleType, world: World,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """No `docker` or `ip` on PATH: what they would show is missing (a comparison, not a failed check)."""
     empty = world.root / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
-    watch = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
-             "processes": [{"container": CONTAINER, "match": ENGINE}]}
-    assert drift.observe(watch) == {"files": {}, "trees": {}, "units": {}, "models": {},
-                                    "interfaces": {IFACE: "missing"}, "images": {REF: "missing"},
-                                    "containers": {CONTAINER: "missing"},
-                                    "processes": {CONTAINER: "container not running"}}
+    assert drift.observe(TOOL_WATCH) == TOOLS_SHOW_NOTHING
 
 
 def test_a_hung_docker_is_named_missing_not_waited_for(drift: ModuleType, world: World,
@@ -714,12 +717,7 @@ def test_tools_killed_by_a_signal_are_named_missing(drift: ModuleType, world: Wo
     link = json.dumps([world.data["links"][IFACE]])
     (world.root / "bin/ip").write_text(f"#!/bin/sh\nprintf '%s\\n' '{link}'\nkill -9 $$\n")
     monkeypatch.setenv("PATH", world.path)
-    watch = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
-             "processes": [{"container": CONTAINER, "match": ENGINE}]}
-    assert drift.observe(watch) == {"files": {}, "trees": {}, "units": {}, "models": {},
-                                    "interfaces": {IFACE: "missing"}, "images": {REF: "missing"},
-                                    "containers": {CONTAINER: "missing"},
-                                    "processes": {CONTAINER: "container not running"}}
+    assert drift.observe(TOOL_WATCH) == TOOLS_SHOW_NOTHING
 
 
 def test_the_module_names_a_missing_argument(node: Path) -> None:
