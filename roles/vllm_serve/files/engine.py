@@ -1,18 +1,17 @@
 """The serving engine inside the head container (piped to `docker exec -i <head> python3 - COMMAND ...`).
 
 Ray is PID 1 there and the engine is a `docker exec -d` child of nothing we hold, so it is found by its command
-line: the serve script, or the engine process it execs into (HY3SPARK_ENGINE's `process`, for vLLM `vllm serve`).
+line: the serve script, or the engine process it execs into (HY3SPARK_ENGINE's `process`: an argv word and the
+word after it).
 Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, nothing recognisable).
 
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
   stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
   wait SCRIPT URL TIMEOUT_S LOG LINES         until /health answers 200; stop at once if the engine died
-  patch SUFFIX [--check]                      hy_v3 parsers: add SUFFIX to their bare special tokens
+
+What only one engine needs is not here: it lives beside that engine's task files (files/engines/<engine>/).
 """
 
-import ast
-import glob
-import importlib.util
 import json
 import os
 import re
@@ -27,8 +26,6 @@ import urllib.request
 ENGINE = json.loads(os.environ.get("HY3SPARK_ENGINE") or "null") or {}
 KV_CACHE = re.compile(ENGINE.get("log_lines", {}).get("kv_cache", r"(?!)"))
 CONCURRENCY = re.compile(ENGINE.get("log_lines", {}).get("concurrency", r"(?!)"))
-# The structural tokens vLLM's hy_v3 tool and reasoning parsers hard-code.
-HY_V3_TOKENS = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -160,54 +157,6 @@ def wait(script: str, url: str, timeout: float, log: str, lines: int) -> dict:
     return report
 
 
-def _parser_files() -> list[str]:
-    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    root = next(iter(spec.submodule_search_locations))
-    return sorted(glob.glob(os.path.join(root, "**", "hy_v3*parser*.py"), recursive=True))
-
-
-def _reads_token_suffix(text: str) -> bool:
-    """True when the code (not a comment or docstring) uses token_suffix: a name, an attribute or a "key"."""
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return False
-    for n in ast.walk(tree):
-        if (isinstance(n, ast.Name) and n.id == "token_suffix") or (
-                isinstance(n, ast.Attribute) and n.attr == "token_suffix") or (
-                isinstance(n, ast.Constant) and n.value == "token_suffix"):
-            return True
-    return False
-
-
-def patch(suffix: str, check: bool) -> dict:
-    """`files`: what was found (or done); `after`: each file's state once patched, the same on every run."""
-    report = {"files": {}, "after": {}, "changed": False}
-    bare = re.compile(r"""(["'])<(/?)(""" + "|".join(HY_V3_TOKENS) + r""")>\1""")
-    for path in _parser_files():
-        with open(path) as f:
-            text = f.read()
-        if _reads_token_suffix(text):
-            report["files"][path] = report["after"][path] = "native"  # this vLLM reads tokenizer_config.json
-            continue
-        patched = bare.sub(lambda m: f"{m.group(1)}<{m.group(2)}{m.group(3)}{suffix}>{m.group(1)}", text)
-        if patched == text:
-            report["files"][path] = report["after"][path] = "patched" if suffix in text else "no bare tokens"
-            continue
-        report["files"][path] = "needs patch" if check else "patched now"
-        report["after"][path] = "patched"
-        report["changed"] = True
-        if not check:
-            tmp = f"{path}.hy3spark-tmp"
-            with open(tmp, "w") as f:
-                f.write(patched)
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-            os.replace(tmp, path)
-    return report
-
-
 def main() -> None:
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd in ("status", "stop", "wait") and not ENGINE.get("process"):
@@ -219,8 +168,6 @@ def main() -> None:
         result = stop(args[0], float(args[1]))
     elif cmd == "wait":
         result = wait(args[0], args[1], float(args[2]), args[3], int(args[4]))
-    elif cmd == "patch":
-        result = patch(args[0], "--check" in args[1:])
     else:
         result = {"error": f"unknown command {cmd}"}
     print(json.dumps(result))
