@@ -5,7 +5,6 @@ The role itself runs in molecule/site (re-run in sync, forced full run, a hand e
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import os
 import pwd
@@ -20,22 +19,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from collection_plugins import plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def drift() -> ModuleType:
-    return load(ROOT / "plugins/modules/hy3spark_drift.py", "hy3spark_drift")
+    return plugin("modules", "hy3spark_drift")
 
 
 def snapshot(drift: ModuleType, tmp: Path) -> dict:
@@ -111,7 +102,7 @@ def test_missing_things_are_reported_as_missing(drift: ModuleType, tmp_path: Pat
 
 
 def test_content_hash_follows_the_roles_and_ignores_caches(tmp_path: Path) -> None:
-    content = load(ROOT / "plugins/lookup/hy3spark_content.py", "hy3spark_content")
+    content = plugin("lookup", "hy3spark_content")
     for part in ("roles/drift", "playbooks", "templates", "plugins/lookup"):
         shutil.copytree(ROOT / part, tmp_path / part)
     shutil.copy(ROOT / "site.yml", tmp_path / "site.yml")

@@ -8,18 +8,14 @@ The filter's own tests (roles/preflight/tests/unit) cover the systemd quoting ca
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from collection_plugins import plugin
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "collections"))
-PREFIX = "ansible_collections.hy3spark.cluster.plugins"
-eo = importlib.import_module(f"{PREFIX}.module_utils.earlyoom")
-module = importlib.import_module(f"{PREFIX}.modules.hy3spark_earlyoom_info")
+eo = plugin("module_utils", "earlyoom")
+module = plugin("modules", "hy3spark_earlyoom_info")
 MARKER = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
 SPARKRUN_PREFER = "(vllm|VLLM|sglang|llama-server|llama-cli|trtllm|tritonserver|ray|python3|python)"
 # What each file gives: (the value systemd's EnvironmentFile= yields, the argv earlyoom gets, a quoting problem).
@@ -41,16 +37,8 @@ CASES = {
 }
 
 
-def _filter_module():
-    spec = importlib.util.spec_from_file_location("preflight_filters_shared", REPO / "plugins/filter/preflight.py")
-    assert spec and spec.loader
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
 def test_the_module_and_the_filter_use_this_parser_and_no_copy_of_their_own() -> None:
-    assert _filter_module().earlyoom_args is eo
+    assert plugin("filter", "preflight").earlyoom_args is eo
     assert (module.assignment, module.env_file_value, module.split_args, module.option) == (
         eo.assignment, eo.env_file_value, eo.split_args, eo.option)
     for path in ("plugins/filter/preflight.py", "plugins/modules/hy3spark_earlyoom_info.py"):

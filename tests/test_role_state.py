@@ -15,7 +15,6 @@ a target that needs any other unknown value fails the test, naming it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import posixpath
@@ -31,6 +30,7 @@ import pytest
 from ansible.errors import AnsibleError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar
+from collection_plugins import plugin
 
 from hy3spark.context import build_context
 from hy3spark.spec import load_spec
@@ -40,10 +40,7 @@ ROLES = sorted(p.parent.parent.name for p in (REPO / "roles").glob("*/meta/main.
 EXAMPLES = sorted((REPO / "examples").glob("*.yml"))
 HOME = "/home/{user}"
 
-_spec = importlib.util.spec_from_file_location("hy3spark_state", REPO / "plugins" / "lookup" / "hy3spark_state.py")
-assert _spec and _spec.loader
-state_lookup = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(state_lookup)
+state_lookup = plugin("lookup", "hy3spark_state")
 
 # module -> (kind, the option naming the target). Kinds: file (a path; a directory counts too), user_file (relative
 # to the user's home), container, unit, image, model.

@@ -360,7 +360,8 @@ def test_reading_the_serve_log_keeps_the_secrets_out_of_its_artifacts(tmp_path: 
 # --- the lookup ------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def lookup(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """The plugin as Ansible loads it (ANSIBLE_LOOKUP_PLUGINS = plugins/lookup), with no secret in the environment."""
+    """The plugin as Ansible's plugin loader loads it (its options defined from its DOCUMENTATION), with no secret
+    in the environment."""
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
     lookup_loader.add_directory(str(LOOKUPS))
@@ -405,15 +406,17 @@ def test_the_lookup_refuses_a_file_others_can_read_or_write(lookup, tmp_path: Pa
 
 def test_a_playbook_run_stops_at_a_readable_file_naming_its_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                  ) -> None:
-    """The same refusal as a user meets it: `ansible` on localhost with the repo's lookup plugins."""
+    """The same refusal as a user meets it: `ansible` on localhost, the lookup by its full name from the checkout's
+    collection."""
     values = fresh_secrets()
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
     path = secrets_file(tmp_path, 0o644, monkeypatch, values)
-    env = {**os.environ, "ANSIBLE_LOOKUP_PLUGINS": str(LOOKUPS), "ANSIBLE_NOCOLOR": "1"}
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections"), "ANSIBLE_NOCOLOR": "1"}
     proc = subprocess.run([str(Path(sys.executable).parent / "ansible"), "localhost", "-i", "localhost,", "-c", "local",
                            "-e", f"ansible_python_interpreter={sys.executable}",
-                           "-m", "ansible.builtin.debug", "-a", "msg={{ lookup('hy3spark_secret', 'HF_TOKEN') }}"],
+                           "-m", "ansible.builtin.debug",
+                           "-a", "msg={{ lookup('hy3spark.cluster.hy3spark_secret', 'HF_TOKEN') }}"],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert f"{path} is readable by others (mode 0644); it must be 0600" in proc.stdout + proc.stderr
