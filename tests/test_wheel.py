@@ -1,98 +1,42 @@
 """The wheel, as a user gets it: built from the repo, installed into a fresh venv, run from an empty directory.
 
 One venv for the module (building and installing take most of this file's time; ansible alone is 250 MB of
-collections). The dependencies come from PyPI once and are kept as wheels in .cache/wheel-test/, so a later run
-installs offline. What is proved: every subpackage and the Ansible content are in the wheel; the installed CLI
-renders, validates and plans what the checkout does, byte for byte; nothing it uses or prints points back at the
-checkout; the shipped ansible.cfg works from inside the package; run records go to $XDG_STATE_HOME/hy3spark.
+collections), made by tests/wheel_venv.py: the dependencies come from PyPI once and are kept as wheels in
+.cache/wheel-test/, so a later run installs offline. What is proved: every subpackage and the Ansible content are in
+the wheel; the installed CLI renders, validates and plans what the checkout does, byte for byte; nothing it uses or
+prints points back at the checkout; the shipped ansible.cfg works from inside the package; run records go to
+$XDG_STATE_HOME/hy3spark. The same install runs `hy3spark up` and `down` against a live two-node cluster in the site
+scenario (molecule/site/tests/test_site.py).
 """
 
 from __future__ import annotations
 
 import filecmp
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import tomllib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from wheel_venv import Installed, clean_env, installed_wheel
 
 from hy3spark import content, runner
 
 REPO = Path(__file__).resolve().parent.parent
-WHEELHOUSE = REPO / ".cache" / "wheel-test"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 EXAMPLE = "hy3-two-spark.yml"
-# The variables that would let a child find the checkout or the test's venv instead of its own.
-LEAKY = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "ANSIBLE_CONFIG", "ANSIBLE_ROLES_PATH", "ANSIBLE_COLLECTIONS_PATH",
-         "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")
 # Where the wheel puts the content: the collection hy3spark.cluster under a collections path of its own, so that the
 # roles' full plugin names (hy3spark.cluster.hy3spark_secret) resolve to the shipped plugins.
 SHIPPED = Path("hy3spark", "_content", "ansible_collections", "hy3spark", "cluster")
 
 
-@dataclass
-class Installed:
-    venv: Path
-    home: Path  # HOME and the XDG directories of the user running the installed CLI
-    env: dict[str, str]
-
-    def run(self, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(self.venv / "bin" / "hy3spark"), *argv], cwd=cwd, env=self.env,
-                              capture_output=True, text=True, timeout=120)
-
-    def python(self, code: str, cwd: Path) -> str:
-        proc = subprocess.run([str(self.venv / "bin" / "python"), "-c", code], cwd=cwd, env=self.env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.strip()
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in LEAKY}
-
-
-def _pip(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(python), "-m", "pip", *args], env=_clean_env(), capture_output=True, text=True,
-                          timeout=900)
-
-
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
-    # Removed afterwards, not left to pytest's tmp_path retention: each venv is about 600 MB.
-    with tempfile.TemporaryDirectory(prefix="hy3spark-wheel-") as tmp:
-        yield _install(Path(tmp))
-
-
-def _install(base: Path) -> Installed:
-    dist = base / "dist"
-    built = _pip(Path(sys.executable), "wheel", "--no-deps", "--quiet", "-w", str(dist), str(REPO))
-    assert built.returncode == 0, built.stderr
-    (wheel,) = dist.glob("hy3spark-*.whl")
-    python311 = shutil.which("python3.11")
-    assert python311, "python3.11 is not on PATH: the wheel is tested on the Python CI runs"
-    venv = base / "venv"
-    subprocess.run([python311, "-m", "venv", str(venv)], check=True, env=_clean_env(), timeout=300)
-    py = venv / "bin" / "python"
-    # Offline from the wheelhouse when it holds every dependency; otherwise fetch them into it, then install.
-    offline = ("install", "--quiet", "--no-compile", "--no-index", "--find-links", str(WHEELHOUSE), str(wheel))
-    if _pip(py, *offline).returncode != 0:
-        got = _pip(py, "download", "--quiet", "-d", str(WHEELHOUSE), str(wheel))
-        assert got.returncode == 0, got.stderr
-        for own in WHEELHOUSE.glob("hy3spark-*.whl"):  # the wheel under test comes from dist/, never from here
-            own.unlink()
-        done = _pip(py, *offline)
-        assert done.returncode == 0, done.stderr
-    home = base / "home"
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LC_ALL": "C.UTF-8",
-           "XDG_STATE_HOME": str(home / "state"), "XDG_CACHE_HOME": str(home / "cache")}
-    return Installed(venv, home, env)
+    with installed_wheel() as done:
+        yield done
 
 
 @pytest.fixture
@@ -103,7 +47,7 @@ def empty(tmp_path: Path) -> Path:
 
 def checkout_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The same command from the checkout's own install (the editable one), for comparison."""
-    return subprocess.run([sys.executable, "-m", "hy3spark", *argv], cwd=cwd, env=_clean_env(),
+    return subprocess.run([sys.executable, "-m", "hy3spark", *argv], cwd=cwd, env=clean_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -115,7 +59,7 @@ def test_the_package_and_its_content_are_installed_and_the_checkout_is_not_used(
         "print(hy3spark.__file__, content.root(), content.checkout(), sep='\\n')\n"
         "print(*sys.path, sep='\\n')", cwd=empty)
     package_file, root, checkout, *path = report.splitlines()
-    site = installed.venv / "lib" / "python3.11" / "site-packages"
+    site = installed.site_packages
     assert Path(package_file) == site / "hy3spark" / "__init__.py"
     assert Path(root) == site / SHIPPED
     assert checkout == "None"
@@ -142,7 +86,7 @@ def test_the_package_and_its_content_are_installed_and_the_checkout_is_not_used(
 def test_version_names_the_package_and_the_content(installed: Installed, empty: Path) -> None:
     proc = installed.run("--version", cwd=empty)
     assert proc.returncode == 0, proc.stderr
-    site = installed.venv / "lib" / "python3.11" / "site-packages"
+    site = installed.site_packages
     package, shipped = proc.stdout.splitlines()
     assert package == f"hy3spark {VERSION}"
     # The content's own version (the collection's, once galaxy.yml exists) is the same one a checkout reports.
