@@ -12,14 +12,17 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import scenario
 import yaml
 from scenario import RAY_NODES, REPO, flat, node, playbook, recap
+from wheel_venv import Installed, installed_wheel
 
 SCENARIO = Path(__file__).resolve().parent.parent
+SPEC = SCENARIO / "cluster.yml"
 HEAD, WORKER = "site-head", "site-worker"
 NODES = (HEAD, WORKER)
 FABRIC_IP = {HEAD: "10.95.0.11", WORKER: "10.95.0.12"}
@@ -45,6 +48,11 @@ def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple
 
 def run_record() -> dict:
     return json.loads(node(HEAD).check_output(f"cat {RUN_FILE}"))
+
+
+def converge_vars() -> dict:
+    """converge.yml's test-only play inputs (see there): the same values wherever another run must match its runs."""
+    return yaml.safe_load((SCENARIO / "converge.yml").read_text())[0]["vars"]
 
 
 def engine_pids() -> list[int]:
@@ -382,7 +390,7 @@ def test_the_installed_collection_runs_site_by_full_name() -> None:
     collection = installed / "ansible_collections" / "hy3spark" / "cluster"
     # converge.yml's test-only play inputs (see there), as extra vars: the same values, so the same run inputs.
     inputs = work / "converge-vars.yml"
-    inputs.write_text(yaml.safe_dump(yaml.safe_load((SCENARIO / "converge.yml").read_text())[0]["vars"]))
+    inputs.write_text(yaml.safe_dump(converge_vars()))
     # community.docker and the other collections come with the `ansible` package, on ansible-core's own sys.path.
     env = {k: v for k, v in os.environ.items()
            if k not in ("ANSIBLE_ROLES_PATH", "ANSIBLE_LIBRARY", "ANSIBLE_FILTER_PLUGINS", "ANSIBLE_LOOKUP_PLUGINS")}
@@ -406,13 +414,77 @@ def test_the_installed_collection_runs_site_by_full_name() -> None:
     test_idempotent_run_left_the_engine_and_containers_alone()
 
 
+# --- the wheel as an ops engineer installs it: `hy3spark up` and `down` from a fresh venv -----------------------------
+
+
+@pytest.fixture(scope="module")
+def wheel() -> Iterator[Installed]:
+    """The wheel built from this checkout, installed with its dependencies in a fresh venv in a temporary directory
+    (tests/wheel_venv.py, as tests/test_wheel.py does), its user's environment only PATH, HOME, XDG_* and LC_ALL (no
+    PYTHONPATH, VIRTUAL_ENV or ANSIBLE_*: nothing leads back to the checkout or .venv). Beside the inventory the CLI
+    renders for this spec under its runs directory ($XDG_STATE_HOME/hy3spark; it keeps files it did not make), the
+    test machine's inputs: the nodes are Molecule platforms that Ansible reaches with `docker exec` (the spec's
+    ssh_host is each platform's container name), with pipelining as in Molecule's runs, and converge.yml's
+    test-only play inputs, so that the run's inputs are those of the scenario's own runs."""
+    name = yaml.safe_load(SPEC.read_text())["name"]
+    with installed_wheel("hy3spark-site-wheel-") as installed:
+        extra = installed.home / "state" / "hy3spark" / "inventory" / name / "inventory" / "group_vars" / "all"
+        extra.mkdir(parents=True)
+        connection = {"ansible_connection": "community.docker.docker", "ansible_pipelining": True}
+        (extra / "test-machine.yml").write_text(yaml.safe_dump({**connection, **converge_vars()}))
+        (installed.home / "cwd").mkdir()
+        yield installed
+
+
+def hy3spark(wheel: Installed, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The installed executable from an empty directory, with the spec's API key exported as an operator would. The
+    spec is the scenario's own file: the rendered inventory names its path, and the drift check hashes that among
+    the run's inputs (a copy elsewhere would be another input, and every role would run)."""
+    return wheel.run(*argv, str(SPEC), cwd=wheel.home / "cwd", timeout=900, env={KEY_ENV: API_KEY})
+
+
+def test_the_installed_wheel_up_finds_the_cluster_in_sync(wheel: Installed) -> None:
+    """`hy3spark up` of the installed wheel on the healthy cluster: the drift check finds every node as the
+    checkout's runs recorded it (the wheel's content being the checkout's, byte for byte), so the roles are skipped
+    and one completion checks the endpoint: changed=0 on both nodes, exit 0, the engine and containers untouched."""
+    proc = hy3spark(wheel, "up")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-20000:]
+    assert "site.yml: ok in" in proc.stdout, out[-20000:]
+    match = re.search(r"^run record: (\S+)$", proc.stdout, re.M)
+    assert match, proc.stdout
+    record = json.loads(Path(match.group(1)).read_text())
+    assert record["status"] == "successful" and record["exit_code"] == 0
+    assert record["ray"] == {"nodes": 2, "gpus_total": 2.0, "gpus_used": 2.0}
+    assert record["kv_lines"], record
+    # ansible-runner's artifacts of the site.yml run: ansible-playbook's output and the command it ran.
+    (artifacts,) = (Path(record["artifacts"]) / "artifacts").iterdir()
+    log = (artifacts / "stdout").read_text()
+    assert "Every node matches its last complete run" in flat(log), log[-20000:]
+    assert recap(log) == {HEAD: 0, WORKER: 0}, log[-20000:]
+    assert f"{SERVED} answered: " in log, log[-20000:]
+    command = json.loads((artifacts / "command").read_text())
+    shipped = wheel.site_packages / "hy3spark" / "_content"
+    assert command["env"]["ANSIBLE_COLLECTIONS_PATH"] == str(shipped), command["env"]
+    for key in ("ANSIBLE_CONFIG", "ANSIBLE_ROLES_PATH"):
+        assert command["env"][key].startswith(f"{shipped}/"), command["env"]
+    assert str(REPO) not in json.dumps(command), command
+    assert API_KEY not in out
+    leaks = [str(p) for p in wheel.home.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]
+    assert leaks == []
+    test_idempotent_run_left_the_engine_and_containers_alone()
+
+
 # --- the way back -----------------------------------------------------------------------------------------------------
 
 
-def test_teardown_removes_every_container_of_ours_and_keeps_the_model() -> None:
-    result = playbook(str(REPO / "playbooks/teardown.yml"))
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+def test_teardown_removes_every_container_of_ours_and_keeps_the_model(wheel: Installed) -> None:
+    """`hy3spark down` of the installed wheel first, then the checkout's teardown.yml again: nothing left to do."""
+    proc = hy3spark(wheel, "down")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-20000:]
+    assert "playbooks/teardown.yml: ok in" in proc.stdout, out[-20000:]
+    assert API_KEY not in out
     for name in NODES:
         assert f"{name}: MemAvailable " in out, out
         left = node(name).check_output("docker ps -aq --filter label=io.hy3spark.cluster")
