@@ -3,7 +3,7 @@ roles/vllm_serve/tasks/engines/<engine>/{nodes,head}.yml, chosen by `hy3spark.en
 
 The selection runs in a real ansible-playbook on localhost (tasks_from: engine.yml, the step main.yml and serve.yml
 run); the neutral files are read for anything of an engine's own; vLLM's parser patch runs against a stand-in vllm
-package.
+package, alone and as vLLM's head step hands it to the lifecycle (a restart reason, the run record's `parsers`).
 """
 
 from __future__ import annotations
@@ -181,3 +181,58 @@ def test_vllms_head_step_patches_bare_hy_v3_tokens_once(tmp_path: Path) -> None:
         "</tool_calls>", "</tool_calls:opensource>").replace("<think>", "<think:opensource>")
     assert patch(tmp_path, ":opensource") == {
         "files": {other: "native", path: "patched"}, "after": {other: "native", path: "patched"}, "changed": False}
+
+
+HEAD_PLAY = """\
+- name: Run vLLM's head step
+  hosts: localhost
+  connection: local
+  gather_facts: false
+  tasks:
+    - name: Run the step
+      ansible.builtin.include_role:
+        name: vllm_serve
+        tasks_from: engines/vllm/head.yml
+      vars:
+        vllm_serve_container: head
+        vllm_serve_patch_hy_v3: %(patch)s
+    - name: Keep what the step handed to the lifecycle
+      ansible.builtin.copy:
+        content: "{{ {'restart': __vllm_serve_engine_restart, 'record': __vllm_serve_engine_record} | to_json }}"
+        dest: %(out)s
+        mode: "0644"
+"""
+
+
+@pytest.mark.parametrize("patch_hy_v3", [True, False])
+def test_vllms_head_step_hands_the_patch_to_the_lifecycle(patch_hy_v3: bool, tmp_path: Path) -> None:
+    # `docker exec -i head python3 - SUFFIX` runs here: a stand-in docker drops `exec -i head`.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text('#!/bin/sh\nshift 3\nexec "$@"\n')
+    (bin_dir / "docker").chmod(0o755)
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    parser = tmp_path / "site" / "vllm" / "hy_v3_tool_parser.py"
+    parser.write_text(PARSER)
+    out = tmp_path / "handed.json"
+    (tmp_path / "play.yml").write_text(HEAD_PLAY % {"patch": patch_hy_v3, "out": out})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
+    env |= {"ANSIBLE_ROLES_PATH": str(REPO / "roles"), "ANSIBLE_NOCOLOR": "1", "LC_ALL": "C.UTF-8",
+            "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(tmp_path / "site")}
+
+    def run() -> dict:
+        proc = subprocess.run([BIN / "ansible-playbook", "-i", "localhost,", "-e",
+                               f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return json.loads(out.read_text())
+
+    if not patch_hy_v3:
+        assert run() == {"restart": "", "record": {"parsers": {}}}
+        assert parser.read_text() == PARSER
+        return
+    assert run() == {"restart": "the hy_v3 parsers were patched", "record": {"parsers": {str(parser): "patched"}}}
+    assert "<tool_calls:opensource>" in parser.read_text()
+    # Patched once: the next run has no reason to restart and records the same.
+    assert run() == {"restart": "", "record": {"parsers": {str(parser): "patched"}}}
