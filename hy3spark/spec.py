@@ -9,15 +9,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import ipaddress
+import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
+from hy3spark import strict_yaml
 from hy3spark.errors import SpecError
 
 DEFAULT_SPEC_NAME = "default-cluster.yml"
@@ -447,38 +448,14 @@ class Loaded:
     path: str | None = None  # absolute path of the spec file; None for the embedded default
 
 
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping key and sequence item."""
-
-
 def _compose_lines(text: str, source: str) -> tuple[Any, dict[tuple[str | int, ...], int]]:
+    """The data and the line of every field path, through the strict loader (hy3spark/strict_yaml.py)."""
     try:
-        node = yaml.compose(text, Loader=_LineLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(source, [f"{where}: malformed YAML: {problem}"]) from None
-    lines: dict[tuple[str | int, ...], int] = {}
-
-    def walk(n: yaml.Node, path: tuple[str | int, ...]) -> None:
-        lines.setdefault(path, n.start_mark.line + 1)
-        if isinstance(n, yaml.MappingNode):
-            for key, value in n.value:
-                p = (*path, str(key.value))
-                lines[p] = key.start_mark.line + 1
-                walk(value, p)
-        elif isinstance(n, yaml.SequenceNode):
-            for i, item in enumerate(n.value):
-                walk(item, (*path, i))
-
-    if node is not None:
-        walk(node, ())
-    try:
-        data = yaml.load(text, Loader=_LineLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:  # duplicate anchors etc. that compose accepted
-        raise SpecError(source, [f"{source}: malformed YAML: {exc}"]) from None
-    return data, lines
+        return strict_yaml.load(text)
+    except strict_yaml.StrictYAMLError as exc:
+        where = source if exc.line is None else f"{source}:{exc.line}"
+        field = "" if exc.path is None else f"{format_path(exc.path) or '(top level)'}: "
+        raise SpecError(source, [f"{where}: {field}{exc.message}"]) from None
 
 
 def format_path(path: tuple[str | int, ...]) -> str:
@@ -499,18 +476,31 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in profiles_dir().glob("*.yml"))
 
 
-def load_profile(name: str) -> dict[str, Any]:
-    path = profiles_dir() / f"{name}.yml"
-    if not path.is_file():
+def _profile_data(name: str) -> dict[str, Any]:
+    # By name only: a name is looked up among the packaged files, never joined into a path (`../x`, `/tmp/p`).
+    if name not in available_profiles():
         raise KeyError(name)
-    data = yaml.safe_load(path.read_text())
+    data, _ = _compose_lines((profiles_dir() / f"{name}.yml").read_text(), f"profile {name}")
+    return data
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    data = _profile_data(name)
     data.pop("description", None)
     return data
 
 
 def profile_description(name: str) -> str:
-    data = yaml.safe_load((profiles_dir() / f"{name}.yml").read_text())
-    return str(data.get("description", ""))
+    return str(_profile_data(name).get("description", ""))
+
+
+def _unknown_profile(profile: Any) -> str:
+    available = f"available: {', '.join(available_profiles())}"
+    if not isinstance(profile, str):
+        return f"must be the name of a packaged profile; {available}"
+    if any(mark in profile for mark in ("/", "\\", "~")) or profile.startswith(".") or profile.endswith(".yml"):
+        return f"{profile!r} looks like a path; a profile is chosen by name, never by path: {available}"
+    return f"unknown profile {profile!r}; {available}"
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -587,9 +577,13 @@ def load_spec(path: Path | None = None) -> Loaded:
     else:
         source = str(path)
         try:
-            raw = Path(path).read_bytes()
+            with Path(path).open("rb") as fh:  # no more than the limit is read: the size is checked before parsing
+                raw = fh.read(strict_yaml.MAX_BYTES + 1)
+                size = os.fstat(fh.fileno()).st_size if len(raw) > strict_yaml.MAX_BYTES else 0
         except OSError as exc:
             raise SpecError(source, [f"{source}: cannot read the spec: {exc.strerror}"]) from None
+        if len(raw) > strict_yaml.MAX_BYTES:
+            raise SpecError(source, [f"{source}: {strict_yaml.too_big_message(size or None)}"])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -626,11 +620,9 @@ def parse_spec(text: str, source: str, sha256: str | None = None) -> Loaded:
     merged = data
     profile = data.get("profile")
     if profile is not None:
-        try:
-            merged = deep_merge(load_profile(str(profile)), data)
-        except KeyError:
-            raise SpecError(source, render([(("profile",), f"unknown profile {profile!r}; available: "
-                                                           f"{', '.join(available_profiles())}")])) from None
+        if not isinstance(profile, str) or profile not in available_profiles():
+            raise SpecError(source, render([(("profile",), _unknown_profile(profile))]))
+        merged = deep_merge(load_profile(profile), data)
     try:
         spec = Spec.model_validate(merged)
     except ValidationError as exc:

@@ -138,7 +138,7 @@ def test_four_spark_cluster_renders_one_env_per_node() -> None:
             .replace("workers:\n", "workers:\n" + "".join(
                 f"  - name: spark-{c}\n    fabric_ip: 10.0.0.{i}/24\n    ssh_user: ubuntu\n"
                 for c, i in (("c", 3), ("d", 4))))
-            + "serving:\n  tensor_parallel: 4\n  api_key_env: VLLM_API_KEY\n")
+            .replace("serving:\n", "serving:\n  tensor_parallel: 4\n"))  # a second serving: key is refused
     loaded = parse_spec(text, "four.yml")
     outputs = {o.path: o.content for o in render_all(loaded)}
     for name, ip in (("spark-a", 1), ("spark-b", 2), ("spark-c", 3), ("spark-d", 4)):
