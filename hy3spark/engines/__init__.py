@@ -5,7 +5,8 @@ An engine turns the spec's serving section (its own union member, spec.VllmServi
   engine's own multi-node mode);
 - its per-node environment, laid out around the settings every engine shares (`node_env`);
 - the secrets it reads on the head (`secret_env`);
-- how its processes are recognised (`process`) and which log lines say what its KV cache holds (`log_lines`).
+- how its processes are recognised (`process`) and which log lines say what its KV cache holds (`log_lines`);
+- which of `serving.extra_args` its own parser would take as an option the spec leaves open (`check_extra_args`).
 build_context() publishes all of it as `hy3spark.engine` and `hy3spark.serving`, so roles and templates never
 assume which engine produced them. docs/engines.md is the checklist for adding one.
 """
@@ -30,6 +31,9 @@ class Engine(Protocol):
     def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]: ...
 
     def process(self) -> dict[str, str]: ...
+
+    @staticmethod
+    def check_extra_args(args: list[str]) -> list[tuple[int, str]]: ...
 
     def log_lines(self) -> dict[str, str]: ...
 

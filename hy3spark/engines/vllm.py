@@ -27,6 +27,14 @@ class VllmEngine:
 
         return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
 
+    @staticmethod
+    def check_extra_args(args: list[str]) -> list[tuple[int, str]]:
+        """(index, problem) for each word of serving.extra_args vLLM's own parser would not take as an option the
+        spec lets through (hy3spark/engines/vllm_args.py: the real option table, aliases and abbreviations)."""
+        from hy3spark.engines import vllm_args
+
+        return vllm_args.check(args)
+
     def process(self) -> dict[str, str]:
         """How the engine's process is recognised in /proc: an argv word named `exe` followed by `arg`."""
         return {"exe": "vllm", "arg": "serve"}
