@@ -1,15 +1,15 @@
 """The strict YAML loader behind every cluster spec: plain data only, each key once, a line for every field.
 
-A spec is copied between people, so it is read as untrusted text. PyYAML's SafeLoader builds no Python objects, but
+A spec is copied between people, so it is read as untrusted text. PyYAML's SafeLoader builds no arbitrary objects, but
 it still lets the last of two equal keys win without a word, expands anchors and aliases (a few hundred bytes of
 aliases expand to gigabytes), builds bytes from `!!binary`, dates from date-looking text and sets from `!!set`. This
 loader builds its values from the parser's events instead of a composed node graph, so it refuses each of those at
 the event that brings it, before reading further, and records the line of every mapping key and sequence item as it
 goes (no second walk that could expand aliases).
 
-What it accepts: one document of mappings, sequences and scalars, nested at most MAX_DEPTH deep; scalars resolved
-as SafeLoader resolves them (null, true/false, int, float, text), except that a date-looking plain scalar stays the
-text written; finite floats only.
+What it accepts: one document of at most MAX_VALUES mappings, sequences and scalars, nested at most MAX_DEPTH deep;
+scalars resolved as SafeLoader resolves them (null, true/false, int, float, text), except that a date-looking plain
+scalar stays the text written; finite floats only.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from yaml.resolver import Resolver
 
 MAX_BYTES = 1024 * 1024  # a real spec is a few kilobytes
 MAX_DEPTH = 20  # a real spec nests four levels deep; the limit keeps every recursive walk after this one safe
+# A real spec has a few hundred values. The limit bounds the work of every step after the loader (the secret and
+# Jinja walks, the profile merge, pydantic, rendering) by the count of values, which 1 MiB alone does not: 1 MiB of
+# short env entries is 140,000 values and took about 2 s to validate.
+MAX_VALUES = 10_000
 
 Path = tuple[str | int, ...]
 
@@ -107,7 +111,7 @@ def load(text: str) -> tuple[Any, dict[Path, int]]:
     lines: dict[Path, int] = {}
     stack: list[_Frame] = []
     root: Any = None
-    documents = 0
+    documents = values = 0
     try:
         for event in yaml.parse(text, Loader=_Parser):
             if isinstance(event, yaml.DocumentStartEvent):
@@ -141,6 +145,10 @@ def load(text: str) -> tuple[Any, dict[Path, int]]:
                     raise StrictYAMLError(line, path, f"the YAML tag {_short_tag(event.tag)} is not accepted: the "
                                                       "spec takes plain text, numbers, true/false, lists and mappings "
                                                       "(quote a value to keep it as text)")
+                values += 1
+                if values > MAX_VALUES:
+                    raise StrictYAMLError(line, path, f"the spec holds more than {MAX_VALUES:,} values (keys, "
+                                                      "items and scalars); a cluster spec has a few hundred")
                 if not is_key:
                     lines.setdefault(path, line)
                 if isinstance(event, yaml.ScalarEvent):

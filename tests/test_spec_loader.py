@@ -224,6 +224,13 @@ def test_nesting_deeper_than_a_spec_needs(cli, tmp_path: Path) -> None:
     refused(cli, tmp_path, nested(100_000), f"SPEC:{line_of(text, 'speculative_config')}: ")
 
 
+def test_more_values_than_a_spec_has(cli, tmp_path: Path) -> None:
+    # 1 MiB of short entries is 140,000 values: the count, not the size, bounds what the later steps walk.
+    text = EXAMPLE + "container:\n  env:\n" + "".join(f"    K{i:05d}: v\n" for i in range(6000))
+    refused(cli, tmp_path, text, ": container.env.K0", ": the spec holds more than 10,000 values (keys, items and "
+                                                        "scalars); a cluster spec has a few hundred")
+
+
 def test_a_list_as_a_mapping_key(cli, tmp_path: Path) -> None:
     text = EXAMPLE + "? [a, b]\n: c\n"
     refused(cli, tmp_path, text, f"SPEC:{line_of(text, '? [a')}: (top level): a mapping key must be a plain value")
