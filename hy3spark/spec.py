@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import ipaddress
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,35 +17,106 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from hy3spark import strict_yaml
+from hy3spark import grammars, strict_yaml
 from hy3spark.errors import SpecError
 
 DEFAULT_SPEC_NAME = "default-cluster.yml"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Shapes of real credentials: a Hugging Face token, an OpenAI-style key, a long opaque string.
-_SECRET_SHAPES = (re.compile(r"^hf_[A-Za-z0-9]{20,}$"), re.compile(r"^sk-[A-Za-z0-9_-]{16,}$"))
-# Keys people reach for when they paste a secret into YAML; extra="forbid" would reject them anyway,
-# but the generic message would not say where the secret belongs instead.
-_SECRET_KEYS = {"token", "hf_token", "api_key", "apikey", "password", "secret", "hf_api_token"}
+# Shapes of real credentials, anywhere in a value (`--api_key=sk-...`, `Bearer hf_...`): Hugging Face and
+# OpenAI-style tokens, GitHub, GitLab, Slack, NVIDIA API keys and AWS access key ids.
+_SECRET_SHAPE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{16,}|ghp_[A-Za-z0-9]{30,}|"
+                           r"github_pat_[A-Za-z0-9_]{30,}|glpat-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|"
+                           r"nvapi-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16})")
+# Keys people reach for when they paste a secret into YAML (a field, or a container.env variable such as
+# VLLM_API_KEY or HF_HUB_TOKEN); extra="forbid" would reject a field anyway, but not say where the secret belongs.
+_SECRET_KEY = re.compile(r"(?:.*[_-])?(?:token|api[_-]?key|apikey|password|passwd|secret|secret[_-]access[_-]key|"
+                         r"private[_-]key|credentials?)", re.IGNORECASE)
 # RDMA device names as ibdev2netdev prints them (rocep1s0f1, roceP2p1s0f1, mlx5_0): not socket interfaces.
 _RDMA_NAME = re.compile(r"^(roce[pP]\w*|mlx\d+_\d+|ibp\w+)$")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 
 
 class SpecModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no coercion, so `gpus: yes` and `port: "8888"` are refused rather than read as 1 and 8888. Addresses
+    # are the exception (Lax below): YAML gives them as strings.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+Lax = Field(strict=False)
+# Upper bounds on counts and sizes: a value past them is a typo, and an int too big for a float crashes the planner.
+_COUNT = 2**31 - 1
+_BYTES = 2**60
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _not_bool(value: Any) -> Any:
+    # Literal[1, 2, 4] would take True as 1 even in strict mode.
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+def _fabric_address(value: Any) -> Any:
+    if isinstance(value, str) and ":" in value:
+        raise ValueError("IPv6 fabric addresses are refused on purpose: the Ray, NCCL and vLLM settings hy3spark "
+                         "renders are IPv4 only; give the port a private IPv4 address such as 10.0.0.1/24")
+    return value
+
+
+def _one_line(value: str) -> str:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError("holds a newline or another control character; each argument is one line")
+    return value
+
+
+def _json_value(value: Any, path: str = "") -> Any:
+    """A JSON value made of strings, finite numbers, booleans, null, lists and mappings with string keys: what
+    json.dumps turns into the --speculative-config argument unchanged."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"key {key!r}{path and ' in ' + path} must be a string")
+            _json_value(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _json_value(item, f"{path}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{path or 'the value'} is not a finite number")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{path or 'the value'} is a {type(value).__name__}; only JSON values (strings, numbers, "
+                         "booleans, null, lists, mappings) can be passed to the engine")
+    return value
+
+
+NodeName = Annotated[str, AfterValidator(grammars.node_name)]
+Netdev = Annotated[str, AfterValidator(grammars.netdev)]
+Ident = Annotated[str, AfterValidator(grammars.ident)]
+Text = Annotated[str, AfterValidator(grammars.text)]
+EarlyoomPattern = Annotated[str, AfterValidator(grammars.earlyoom_pattern)]
 
 
 class Node(SpecModel):
     """One DGX Spark."""
 
-    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")]
-    fabric_ip: ipaddress.IPv4Interface = Field(description="this node's OWN fabric address with prefix, 10.0.0.1/24")
-    ssh_host: str | None = Field(default=None, description="address Ansible connects to; default mgmt_ip, else fabric")
-    ssh_user: str = "ubuntu"
-    mgmt_ip: ipaddress.IPv4Address | None = None
+    name: NodeName
+    fabric_ip: Annotated[ipaddress.IPv4Interface, Lax, BeforeValidator(_fabric_address)] = Field(
+        description="this node's OWN fabric address with prefix, 10.0.0.1/24")
+    ssh_host: Annotated[str, AfterValidator(grammars.ssh_host)] | None = Field(
+        default=None, description="address Ansible connects to; default mgmt_ip, else fabric")
+    ssh_user: Annotated[str, AfterValidator(grammars.posix_user)] = "ubuntu"
+    mgmt_ip: Annotated[ipaddress.IPv4Address, Lax] | None = None
     gpus: Annotated[int, Field(ge=1, le=8)] = 1
 
     @property
@@ -59,25 +131,22 @@ class Node(SpecModel):
 class Fabric(SpecModel):
     """The cabled port between the nodes."""
 
-    interfaces: Annotated[list[str], Field(min_length=1)] = Field(
+    interfaces: Annotated[list[Netdev], Field(min_length=1)] = Field(
         description="netdevs of the cabled port; the address goes on the first"
     )
-    hcas: list[str] = Field(default_factory=list, description="RoCE HCAs of that port: both twins")
+    hcas: list[Netdev] = Field(default_factory=list, description="RoCE HCAs of that port: both twins")
     mtu: Annotated[int, Field(ge=576, le=9216)] = 9000
 
     @field_validator("interfaces", "hcas")
     @classmethod
     def _names(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", name):
-                raise ValueError(f"{name!r} is not a valid device name (1-15 letters, digits, _.:-)")
         if len(set(value)) != len(value):
             raise ValueError("lists a device twice")
         return value
 
 
 class Image(SpecModel):
-    ref: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")] = Field(
+    ref: Annotated[str, AfterValidator(grammars.image_ref)] = Field(
         description="name:tag of the engine image"
     )
     digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None = None
@@ -89,31 +158,26 @@ class Image(SpecModel):
 class ModelArch(SpecModel):
     """config.json numbers the capacity planner needs."""
 
-    num_hidden_layers: Annotated[int, Field(ge=1)]
-    num_key_value_heads: Annotated[int, Field(ge=1)]
-    head_dim: Annotated[int, Field(ge=1)]
-    num_attention_heads: Annotated[int, Field(ge=1)] | None = None
-    mtp_layers: Annotated[int, Field(ge=0)] = 0
-    sliding_window: Annotated[int, Field(ge=1)] | None = None
-    sliding_window_layers: Annotated[int, Field(ge=0)] = 0
-    max_context: Annotated[int, Field(ge=1)]
-    dtype_bytes: Literal[1, 2, 4] = 2
+    num_hidden_layers: Annotated[int, Field(ge=1, le=_COUNT)]
+    num_key_value_heads: Annotated[int, Field(ge=1, le=_COUNT)]
+    head_dim: Annotated[int, Field(ge=1, le=_COUNT)]
+    num_attention_heads: Annotated[int, Field(ge=1, le=_COUNT)] | None = None
+    mtp_layers: Annotated[int, Field(ge=0, le=_COUNT)] = 0
+    sliding_window: Annotated[int, Field(ge=1, le=_COUNT)] | None = None
+    sliding_window_layers: Annotated[int, Field(ge=0, le=_COUNT)] = 0
+    max_context: Annotated[int, Field(ge=1, le=_COUNT)]
+    dtype_bytes: Annotated[Literal[1, 2, 4], BeforeValidator(_not_bool)] = 2
 
 
 class Model(SpecModel):
-    repo: Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")]
-    revision: Annotated[str, Field(min_length=1)] = Field(description="40-character commit sha (or a tag)")
-    cache_dir: str = Field(description="Hugging Face hub cache on every node (HF_HUB_CACHE), same path everywhere")
-    size_bytes: Annotated[int, Field(ge=1)]
+    repo: Annotated[str, AfterValidator(grammars.hf_repo)]
+    revision: Annotated[str, Field(min_length=1), AfterValidator(grammars.git_revision)] = Field(
+        description="40-character commit sha (or a tag)")
+    cache_dir: Annotated[str, AfterValidator(grammars.abs_path)] = Field(
+        description="Hugging Face hub cache on every node (HF_HUB_CACHE), same path everywhere")
+    size_bytes: Annotated[int, Field(ge=1, le=_BYTES)]
     token_env: str | None = Field(default="HF_TOKEN", description="NAME of the env var holding the HF token")
     arch: ModelArch
-
-    @field_validator("cache_dir")
-    @classmethod
-    def _abs(cls, value: str) -> str:
-        if not value.startswith("/") or value.rstrip("/") == "":
-            raise ValueError(f"{value!r} must be an absolute path below / (for example /var/lib/hy3spark/hub)")
-        return value.rstrip("/")
 
     @property
     def repo_dir(self) -> str:
@@ -125,17 +189,17 @@ class ServingBase(SpecModel):
     """What every engine serves with: the endpoint, the parallelism, the context, the key. An engine's own section
     (VllmServing, ...) adds its flags; `serving.engine` chooses the section, and its fields are checked there."""
 
-    served_name: Annotated[str, Field(pattern=r"^[\w.:-]+$")]
-    host: ipaddress.IPv4Address = ipaddress.IPv4Address("0.0.0.0")
+    served_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")]
+    host: Annotated[ipaddress.IPv4Address, Lax] = ipaddress.IPv4Address("0.0.0.0")
     port: Annotated[int, Field(ge=1, le=65535)] = 8888
-    tensor_parallel: Annotated[int, Field(ge=1)]
-    pipeline_parallel: Annotated[int, Field(ge=1)] = 1
-    max_model_len: Annotated[int, Field(ge=16)]
-    max_num_seqs: Annotated[int, Field(ge=1)]
+    tensor_parallel: Annotated[int, Field(ge=1, le=_COUNT)]
+    pipeline_parallel: Annotated[int, Field(ge=1, le=_COUNT)] = 1
+    max_model_len: Annotated[int, Field(ge=16, le=_COUNT)]
+    max_num_seqs: Annotated[int, Field(ge=1, le=_COUNT)]
     api_key_env: str | None = Field(default=None, description="NAME of the env var holding the API key")
     open_endpoint: bool = Field(default=False, description="serve without an API key on a non-loopback address")
     verify_transport: bool | None = Field(default=None, description="NCCL transport gate; default on multi-node")
-    health_timeout_s: Annotated[int, Field(ge=10)] = 1800
+    health_timeout_s: Annotated[int, Field(ge=10, le=_COUNT)] = 1800
 
 
 class VllmServing(ServingBase):
@@ -143,31 +207,18 @@ class VllmServing(ServingBase):
 
     engine: Literal["vllm"] = Field(default="vllm", description="inference engine (see docs/engines.md)")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    speculative_config: dict[str, Any] | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
+    gpu_memory_utilization: Annotated[FiniteFloat, Field(gt=0, le=1)] = 0.9
+    speculative_config: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = None
+    tool_call_parser: Ident | None = None
+    reasoning_parser: Ident | None = None
     enable_auto_tool_choice: bool = False
     trust_remote_code: bool = False
     enforce_eager: bool = False
-    extra_args: list[str] = Field(default_factory=list)
-    overhead_gib: Annotated[float, Field(ge=0)] = Field(
+    # Checked against vLLM's real option table by a rule (_check_extra_args): the engine knows its flags.
+    extra_args: list[Annotated[str, AfterValidator(_one_line)]] = Field(default_factory=list)
+    overhead_gib: Annotated[FiniteFloat, Field(ge=0, le=1024)] = Field(
         default=3.0, description="activation + non-torch memory per rank (planner); calibrate from a real log"
     )
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_key_on_cmdline(cls, value: list[str]) -> list[str]:
-        for arg in value:
-            if arg.split("=", 1)[0] == "--api-key":
-                raise ValueError(
-                    "--api-key would put the key on the process command line; set serving.api_key_env to the "
-                    "name of an environment variable instead"
-                )
-            for managed in ("--tensor-parallel-size", "--pipeline-parallel-size", "--port", "--host"):
-                if arg.split("=", 1)[0] == managed:
-                    raise ValueError(f"{managed} is derived from the spec; set the serving field instead")
-        return value
 
 
 # Every engine's serving section, by the value of `serving.engine` (the default: vllm). Adding an engine adds its
@@ -192,8 +243,9 @@ Serving = Annotated[
 
 class Ray(SpecModel):
     port: Annotated[int, Field(ge=1, le=65535)] = 6379
-    object_store_memory_bytes: Annotated[int, Field(ge=78643200)] | None = None
-    version: str | None = Field(default=None, description="pin: every node's Ray must report this version")
+    object_store_memory_bytes: Annotated[int, Field(ge=78643200, le=_BYTES)] | None = None
+    version: Annotated[str, AfterValidator(grammars.version)] | None = Field(
+        default=None, description="pin: every node's Ray must report this version")
     dashboard: Literal["off", "localhost"] = Field(
         default="off", description="Ray's dashboard/Jobs API runs code for anyone who reaches it (ShadowRay)"
     )
@@ -212,47 +264,40 @@ class Ray(SpecModel):
 class Container(SpecModel):
     """How the Ray head/worker containers run (the recipe's docker run flags)."""
 
-    name_prefix: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")] = "hy3spark"
+    name_prefix: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,47}$")] = "hy3spark"
     shm_size: Annotated[str, Field(pattern=r"^\d+[bkmg]$")] | None = Field(
         default=None, description="only for a private IPC namespace; with the host's IPC (the default) it is unused"
     )
     gpus: bool = Field(default=True, description="request all GPUs (--gpus all); false only for test nodes")
-    env: dict[str, str] = Field(default_factory=dict, description="extra non-secret env for every container")
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-        return value
+    env: dict[Annotated[str, AfterValidator(grammars.env_name)], Annotated[str, AfterValidator(grammars.env_value)]] = (
+        Field(default_factory=dict, description="extra non-secret env for every container"))
 
 
 class Earlyoom(SpecModel):
     policy: Literal["protect", "stop", "leave"] = "protect"
     mem_percent: Annotated[int, Field(ge=1, le=50)] = 4
     swap_percent: Annotated[int, Field(ge=1, le=100)] = 100
-    avoid: list[str] = Field(
+    avoid: list[EarlyoomPattern] = Field(
         default_factory=lambda: ["vllm", "VLLM", "ray", "raylet", "gcs_server", "python3", "python", "trtllm-serve",
                                  "mpirun", "dockerd", "containerd", "sshd", "systemd"]
     )
-    prefer: list[str] = Field(default_factory=lambda: ["chrome", "chromium", "firefox", "code"])
+    prefer: list[EarlyoomPattern] = Field(default_factory=lambda: ["chrome", "chromium", "firefox", "code"])
 
 
 class Hardware(SpecModel):
-    total_memory_gib: Annotated[float, Field(gt=0)] = Field(
+    total_memory_gib: Annotated[FiniteFloat, Field(gt=0, le=4096)] = Field(
         default=121.69, description="what the engine sees as GPU total per node (GB10: 121.69 GiB)"
     )
 
 
 class Pi(SpecModel):
-    provider: str = "hy3-local"
-    provider_name: str = "Hy3 Local"
-    model_label: str = "Hy3"
+    provider: Ident = "hy3-local"
+    provider_name: Text = "Hy3 Local"
+    model_label: Text = "Hy3"
     reasoning: bool = True
-    max_tokens: Annotated[int, Field(ge=1)] = 32768
-    thinking_level_map: dict[str, str] = Field(default_factory=dict)
-    reasoning_kwarg: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=_COUNT)] = 32768
+    thinking_level_map: dict[Ident, Ident] = Field(default_factory=dict)
+    reasoning_kwarg: Ident | None = None
 
 
 class Spec(SpecModel):
@@ -349,7 +394,9 @@ def _check_nodes(spec: Spec) -> list[Problem]:
             problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, loopback "
                                                    "or multicast); give the port a static private address such as "
                                                    "10.0.0.1/24"))
-        elif ip in (node.fabric_ip.network.network_address, node.fabric_ip.network.broadcast_address):
+        elif node.fabric_ip.network.prefixlen < 31 and ip in (node.fabric_ip.network.network_address,
+                                                              node.fabric_ip.network.broadcast_address):
+            # A /31 has no network or broadcast address: both are hosts on a point-to-point link (RFC 3021).
             problems.append(((*path, "fabric_ip"), f"{ip} is the network or broadcast address of "
                                                    f"{node.fabric_ip.network}"))
         if node.mgmt_ip is not None and node.mgmt_ip in head_net:
@@ -402,6 +449,15 @@ def _check_serving(spec: Spec) -> list[Problem]:
     reserved = {spec.ray.port, spec.ray.node_manager_port, spec.ray.object_manager_port}
     if s.port in reserved or spec.ray.min_worker_port <= s.port <= spec.ray.max_worker_port:
         problems.append((("serving", "port"), f"{s.port} collides with a Ray port; pick another serving.port"))
+    elif s.port == SSH_PORT:
+        problems.append((("serving", "port"), f"{s.port} is SSH's port, which Ansible reaches the nodes on; pick "
+                                              "another serving.port"))
+    elif s.port == RAY_CLIENT_PORT:
+        problems.append((("serving", "port"), f"{s.port} is Ray's client server port on the head (ray start "
+                                              "--head's default); pick another serving.port"))
+    elif s.port == RAY_DASHBOARD_PORT and spec.ray.dashboard != "off":
+        problems.append((("serving", "port"), f"{s.port} is Ray's dashboard port, and ray.dashboard is "
+                                              f"{spec.ray.dashboard}; pick another serving.port"))
     if len(reserved) != 3:
         problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
     if s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
@@ -423,16 +479,75 @@ def _check_secret_refs(spec: Spec) -> list[Problem]:
         if _looks_secret(value):
             problems.append((path, "looks like a secret written inline; secrets never go in the spec: put the value "
                                    f"in an environment variable and write its NAME here (for example {example})"))
-        elif not _ENV_NAME.match(value):
+        elif not grammars.ENV_REF.fullmatch(value):
             problems.append((path, f"{value!r} is not an environment variable name (for example {example})"))
     return problems
 
 
 def _looks_secret(value: str) -> bool:
-    return any(p.match(value) for p in _SECRET_SHAPES)
+    return bool(_SECRET_SHAPE.search(value))
 
 
-_RULES = (_check_secret_refs, _check_nodes, _check_fabric, _check_serving)
+# Variables hy3spark derives for every node (hy3spark/context.py's node env): container.env may not set them, or a
+# copied spec could point a worker at the head's address (VLLM_HOST_IP) or NCCL at another port.
+OWNED_ENV = {"VLLM_HOST_IP", "VLLM_CONFIG_ROOT", "MASTER_ADDR", "UCX_NET_DEVICES", "HF_HUB_CACHE", "HF_HUB_OFFLINE"}
+OWNED_ENV_PREFIXES = ("NCCL_IB_", "OMPI_MCA_")
+OWNED_ENV_SUFFIXES = ("_SOCKET_IFNAME",)
+# Set when the transport gate is on: it reads NCCL's INFO lines from the serve log.
+TRANSPORT_ENV = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "RAY_DEDUP_LOGS"}
+SSH_PORT = 22
+RAY_CLIENT_PORT = 10001
+RAY_DASHBOARD_PORT = 8265
+
+
+def _check_env(spec: Spec) -> list[Problem]:
+    from hy3spark.engines import SECRET_NAMES  # the engines import this module
+
+    problems: list[Problem] = []
+    for key in spec.container.env:
+        path = ("container", "env", key)
+        if key in SECRET_NAMES:
+            problems.append((path, f"{key} is where the engine reads a secret; secrets never go in the spec: "
+                                   "export it on the controller and name the variable in serving.api_key_env or "
+                                   "model.token_env"))
+        elif key in OWNED_ENV or key.startswith(OWNED_ENV_PREFIXES) or key.endswith(OWNED_ENV_SUFFIXES):
+            problems.append((path, f"{key} is derived per node by hy3spark (from fabric, model.cache_dir and the "
+                                   "node's own address); container.env may not override it"))
+        elif key in TRANSPORT_ENV and spec.verify_transport:
+            problems.append((path, f"{key} is set by the NCCL transport gate (serving.verify_transport); container.env "
+                                   "may not override it while the gate is on"))
+    return problems
+
+
+def _check_extra_args(spec: Spec) -> list[Problem]:
+    from hy3spark.engines import ENGINES  # the engines import this module
+
+    return [(("serving", "extra_args", i), message)
+            for i, message in ENGINES[spec.serving.engine].check_extra_args(list(spec.serving.extra_args))]
+
+
+# Titles the engine and Ray processes have, as earlyoom sees them (comm, cut to 15 characters).
+_PROTECTED_TITLES = ("vllm", "VLLM", "VLLM::EngineCor", "VLLM::Worker", "ray", "raylet", "gcs_server", "ray::IDLE",
+                     "ray::RayWorkerW", "python3", "python")
+
+
+def _check_earlyoom(spec: Spec) -> list[Problem]:
+    from hy3spark.engines import ENGINES
+
+    titles = (*_PROTECTED_TITLES, ENGINES[spec.serving.engine](spec).process()["exe"])
+    problems: list[Problem] = []
+    for i, pattern in enumerate(spec.earlyoom.prefer):
+        # As rendered: --prefer ^(a|b)$ is a full match of one of the patterns.
+        hit = [t for t in titles if re.fullmatch(f"(?:{pattern})", t)]
+        if hit:
+            problems.append((("earlyoom", "prefer", i), f"{pattern!r} matches {', '.join(dict.fromkeys(hit))}: "
+                                                        "earlyoom would kill the engine or Ray first; prefer only "
+                                                        "processes that are not the inference stack"))
+    return problems
+
+
+_RULES = (_check_secret_refs, _check_nodes, _check_fabric, _check_serving, _check_env, _check_extra_args,
+          _check_earlyoom)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -464,7 +579,9 @@ def format_path(path: tuple[str | int, ...]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            out += ("." if out else "") + part
+            # A key that is not one printable word (a newline in a container.env name) is quoted, so a message
+            # stays one line.
+            out += ("." if out else "") + (part if part.isprintable() and " " not in part else repr(part))
     return out
 
 
@@ -515,11 +632,13 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _find_inline_secrets(data: Any, path: tuple[str | int, ...] = ()) -> list[Problem]:
+    from hy3spark.engines import SECRET_NAMES  # the engines import this module
+
     problems: list[Problem] = []
     if isinstance(data, dict):
         for key, value in data.items():
             p = (*path, str(key))
-            if str(key).lower() in _SECRET_KEYS:
+            if str(key) in SECRET_NAMES or _SECRET_KEY.fullmatch(str(key)):
                 problems.append((p, "secrets are never written in the spec; export the secret as an environment "
                                     "variable and reference its NAME (model.token_env: HF_TOKEN, "
                                     "serving.api_key_env: VLLM_API_KEY)"))
@@ -547,12 +666,25 @@ def _find_jinja(data: Any, path: tuple[str | int, ...] = ()) -> list[Problem]:
     return []
 
 
+_SCALAR = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|true|false|yes|no|on|off", re.IGNORECASE)
+
+
 def _pydantic_problem(err: dict[str, Any]) -> Problem:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
     # The serving union puts the engine's tag into the path (serving.vllm.port): the user wrote serving.port.
     if loc[:1] == ("serving",) and len(loc) > 1 and loc[1] in SERVING_SECTIONS:
         loc = ("serving", *loc[2:])
+    if loc[-1:] == ("[key]",):  # a mapping key's own grammar (container.env.NAME)
+        loc = loc[:-1]
     kind, msg, given = err["type"], err["msg"], err.get("input")
+    # Strict types: say why a YAML value that looks right is refused.
+    if isinstance(given, bool) and kind in ("int_type", "float_type", "literal_error", "value_error"):
+        return loc, f"{given}: {msg.removeprefix('Value error, ')} (YAML reads yes/no/on/off/true/false as booleans)"
+    if isinstance(given, str) and kind in ("int_type", "float_type", "bool_type") and (
+            _SCALAR.fullmatch(given.strip())):
+        return loc, f"{given!r}: {msg}, not a quoted string; write the value without quotes"
+    if isinstance(given, str) and _looks_secret(given):
+        given = "<a secret-shaped value>"  # never echoed
     if kind == "union_tag_invalid":
         engine = given.get("engine") if isinstance(given, dict) else given
         return (*loc, "engine"), (f"{engine!r} is not an engine hy3spark knows; use one of: "
@@ -565,7 +697,9 @@ def _pydantic_problem(err: dict[str, Any]) -> Problem:
         return loc, "is required"
     msg = msg.removeprefix("Value error, ")
     if isinstance(given, (str, int, float)) and not isinstance(given, bool):
-        return loc, f"{given!r}: {msg}"
+        # A grammar's message reads on from the value: 'eth 1' is not a network device name.
+        joint = " " if kind == "value_error" and msg.startswith(("is ", "must ", "holds ", "uses ")) else ": "
+        return loc, f"{given!r}{joint}{msg}"
     return loc, msg
 
 

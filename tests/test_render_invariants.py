@@ -113,7 +113,7 @@ def _variations() -> dict[str, str]:
             ray={"port": 6500, "node_manager_port": 6501, "object_manager_port": 6502, "dashboard": "localhost"}),
         "ssh-hosts-no-mgmt": vary(pair, head={"name": "spark-a", "fabric_ip": "10.0.0.1/24", "ssh_host": "a.lan"},
                                   workers=[{"name": "spark-b", "fabric_ip": "10.0.0.2/24"}]),
-        "container-env": vary(pair, container={"env": {"NCCL_IB_GID_INDEX": "3", "TZ": "UTC"}}),
+        "container-env": vary(pair, container={"env": {"NCCL_NET_GDR_LEVEL": "SYS", "TZ": "UTC"}}),
         "single-no-mgmt": vary(single, head={"name": "solo", "fabric_ip": "10.9.0.5/24", "ssh_user": "dgx"}),
         "single-two-gpus": vary(single, head={**single["head"], "gpus": 2}, serving={"tensor_parallel": 2}),
         "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "SOLO_KEY"},

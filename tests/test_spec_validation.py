@@ -140,7 +140,8 @@ def test_secret_written_inline_in_a_reference(cli, tmp_path: Path) -> None:
 
 def test_api_key_on_the_command_line(cli, tmp_path: Path) -> None:
     assert_rejected(cli, tmp_path, BASE + "serving:\n  extra_args: [--api-key=abc]\n",
-                    "serving.extra_args: --api-key would put the key on the process command line")
+                    "cluster.yml:15: serving.extra_args[0]: '--api-key': it would put a secret on the process "
+                    "command line")
 
 
 def test_open_endpoint_must_be_explicit(cli, tmp_path: Path) -> None:
