@@ -122,3 +122,58 @@ ACCEPTED = [
 @pytest.mark.parametrize("args", ACCEPTED, ids=repr)
 def test_real_options_pass(args: list[str]) -> None:
     assert vllm_args.check(args) == []
+
+
+# --- the same words through the engine double's argparse parser, built from the same fixture -----------------------
+_RESOLVE_IN_THE_DOUBLE = """
+import contextlib, io, json, sys
+from vllm.double import args as cli_args
+
+top = cli_args.build_parser()
+serve = top._subparsers._group_actions[0].choices["serve"]
+answers = []
+for word in json.load(sys.stdin):
+    spelled = cli_args._spelled([word])[0]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            found = serve._parse_optional(spelled)
+    except SystemExit:
+        answers.append("<ambiguous>")
+        continue
+    action = found[0] if found else None
+    answers.append(action.dest if action is not None else None)
+json.dump(answers, sys.stdout)
+"""
+
+
+def _words() -> list[str]:
+    """Every long option string of the table, written with underscores, with `=x`, and cut to every prefix; and
+    words that are no option. (Single-dash words are left out on purpose: argparse reads `-q4` as `-q 4`, hy3spark
+    refuses anything but an exact alias.)"""
+    words = {"--swap-space", "--api-key-file", "--hostname", "--port-range", "--no-disable-log-stats", "--x"}
+    for option in vllm_args.table()["options"]:
+        for string in option["strings"]:
+            if not string.startswith("--"):
+                words.add(string)
+                continue
+            words |= {string, "--" + string[2:].replace("-", "_"), f"{string}=x"}
+            words |= {string[:cut] for cut in range(3, len(string))}
+    return sorted(words)
+
+
+def test_every_spelling_and_prefix_resolves_as_argparse_resolves_it() -> None:
+    """hy3spark's resolver against argparse itself (the double's parser: vLLM's table, allow_abbrev on)."""
+    words = _words()
+    result = subprocess.run([sys.executable, "-c", _RESOLVE_IN_THE_DOUBLE], input=json.dumps(words),
+                            capture_output=True, text=True, check=False, timeout=300,
+                            env={"PYTHONPATH": str(REPO / "tests" / "engine_double" / "src"), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    theirs = json.loads(result.stdout)
+    differ = []
+    for word, dest in zip(words, theirs, strict=True):
+        option, why = vllm_args._resolve(vllm_args._spelled(word)[0])
+        ours = option["dest"] if option else ("<ambiguous>" if "ambiguous" in why else None)
+        if ours != dest:
+            differ.append((word, ours, dest))
+    assert len(words) > 3000
+    assert differ == []
