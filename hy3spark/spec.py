@@ -81,6 +81,9 @@ def _one_line(value: str) -> str:
     return value
 
 
+_CONFIG_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+
+
 def _json_value(value: Any, path: str = "") -> Any:
     """A JSON value made of strings, finite numbers, booleans, null, lists and mappings with string keys: what
     json.dumps turns into the --speculative-config argument unchanged."""
@@ -88,6 +91,9 @@ def _json_value(value: Any, path: str = "") -> Any:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"key {key!r}{path and ' in ' + path} must be a string")
+            if not _CONFIG_KEY.fullmatch(key):
+                raise ValueError(f"key {key!r}{path and ' in ' + path} is not a config field name (letters, digits, "
+                                 "'_', '.', '-')")
             _json_value(item, f"{path}.{key}" if path else key)
     elif isinstance(value, list):
         for i, item in enumerate(value):
@@ -638,7 +644,10 @@ def _find_inline_secrets(data: Any, path: tuple[str | int, ...] = ()) -> list[Pr
     if isinstance(data, dict):
         for key, value in data.items():
             p = (*path, str(key))
-            if str(key) in SECRET_NAMES or _SECRET_KEY.fullmatch(str(key)):
+            if _looks_secret(str(key)):  # named by the mapping it is in: the path would echo it
+                problems.append((path, "a key looks like a secret written inline; secrets never go in the spec: put "
+                                       "it in an environment variable and reference the variable's NAME"))
+            elif str(key) in SECRET_NAMES or _SECRET_KEY.fullmatch(str(key)):
                 problems.append((p, "secrets are never written in the spec; export the secret as an environment "
                                     "variable and reference its NAME (model.token_env: HF_TOKEN, "
                                     "serving.api_key_env: VLLM_API_KEY)"))
