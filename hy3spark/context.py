@@ -9,7 +9,6 @@ deployed files cannot drift: they are one template rendered from one set of vari
 from __future__ import annotations
 
 import json
-import shlex
 from typing import Any
 
 from typing_extensions import TypedDict
@@ -89,7 +88,6 @@ class Serving(TypedDict):
     verify_transport: bool
     health_timeout_s: int
     argv: list[str]
-    command: str
     non_carry_over_env: list[str]
 
 
@@ -183,7 +181,8 @@ class NodeContext(TypedDict):
     ssh_user: str
     env: dict[str, str]
     container: Container
-    docker_run: str
+    # The container as `docker run` words (templates/docker-run.sh.j2 quotes each one).
+    docker_run: list[str]
 
 
 class Context(TypedDict):
@@ -274,7 +273,7 @@ def _container_for(spec: Spec, node: Node, head: bool) -> Container:
     }
 
 
-def docker_run_line(container: Container) -> str:
+def docker_run_argv(container: Container) -> list[str]:
     """The `docker run` equivalent of a container definition, for people who think in docker run."""
     args = ["docker", "run", "-d", "--name", container["name"], "--network", container["network_mode"],
             "--ipc", container["ipc_mode"]]
@@ -292,8 +291,7 @@ def docker_run_line(container: Container) -> str:
         args += ["-v", vol]
     for key, value in container["labels"].items():
         args += ["--label", f"{key}={value}"]
-    args += [container["image"], *container["command"]]
-    return " ".join(shlex.quote(a) for a in args)
+    return [*args, container["image"], *container["command"]]
 
 
 def _pi_models(spec: Spec, base_url: str) -> dict[str, Any]:
@@ -366,7 +364,7 @@ def build_context(loaded: Loaded) -> Context:
             "ssh_user": node.ssh_user,
             "env": _env_for(spec, engine, node),
             "container": container,
-            "docker_run": docker_run_line(container),
+            "docker_run": docker_run_argv(container),
         }
     serve_argv = engine.serve_argv()
     plan = plan_summary(loaded)
@@ -431,7 +429,6 @@ def build_context(loaded: Loaded) -> Context:
             "verify_transport": spec.verify_transport,
             "health_timeout_s": spec.serving.health_timeout_s,
             "argv": serve_argv,
-            "command": " ".join(shlex.quote(a) for a in serve_argv),
             # Workers keep their own NCCL/UCX/GLOO settings: vLLM's Ray executor would copy the head's otherwise.
             # The secrets the serve script exports stay on the head too: vLLM copies VLLM_* and HF_TOKEN into the
             # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.

@@ -1,20 +1,26 @@
 """Render every file a deployment needs from the spec, with the same templates the roles deploy.
 
 Jinja settings match Ansible's `template` module (trim_blocks on, lstrip_blocks off, trailing newline kept),
-and the only filters the templates use exist on both sides (`to_nice_json`, `to_nice_yaml`, `quote`), so
-the preview is byte-identical to what lands on a node; tests/test_template_parity.py and the role scenarios prove it.
+and the only filters the templates use exist on both sides: Ansible's `to_json`, `to_nice_json`, `to_nice_yaml` and
+`quote` re-implemented here to give the same text, and the collection's serialisers (plugins/filter/serialisers.py:
+`hy3spark.cluster.env_value` and its kin) loaded from the collection itself. So the preview is byte-identical to what
+lands on a node; tests/test_template_parity.py and the role scenarios prove it. Every value a template emits goes
+through one of these serialisers (tests/test_template_serialisers.py), so no value can change a file's structure.
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
+import importlib.util
 import json
 import os
 import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
@@ -22,7 +28,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from hy3spark import content
 from hy3spark.context import build_context
-from hy3spark.errors import Hy3SparkError
+from hy3spark.errors import Hy3SparkError, SpecError
 from hy3spark.spec import Loaded
 
 MANIFEST = ".hy3spark-render.json"
@@ -36,6 +42,11 @@ class Output:
     mode: int = 0o644
 
 
+def to_json(data: Any, **kwargs: Any) -> str:
+    # Ansible's to_json: json.dumps with its defaults (ASCII only, ', ' and ': ' separators, keys in order).
+    return json.dumps(data, **kwargs)
+
+
 def to_nice_json(data: Any, indent: int = 4, sort_keys: bool = True) -> str:
     # Ansible's to_nice_json: indent 4, sorted keys, (',', ': ') separators.
     return json.dumps(data, indent=indent, sort_keys=sort_keys, separators=(",", ": "))
@@ -43,6 +54,20 @@ def to_nice_json(data: Any, indent: int = 4, sort_keys: bool = True) -> str:
 
 def to_nice_yaml(data: Any, indent: int = 4) -> str:
     return yaml.safe_dump(data, indent=indent, default_flow_style=False, sort_keys=False, width=10_000)
+
+
+COLLECTION = "hy3spark.cluster"
+
+
+@functools.cache  # one module: render_all catches the UnsafeValue its filters raise
+def serialisers() -> ModuleType:
+    """The collection's filter plugin plugins/filter/serialisers.py, loaded from the content the roles run."""
+    path = content.path("plugins", "filter", "serialisers.py")
+    spec = importlib.util.spec_from_file_location("hy3spark._serialisers", path)
+    assert spec and spec.loader, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def environment() -> Environment:
@@ -54,7 +79,9 @@ def environment() -> Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(to_nice_json=to_nice_json, to_nice_yaml=to_nice_yaml, quote=shlex.quote)
+    env.filters.update(to_json=to_json, to_nice_json=to_nice_json, to_nice_yaml=to_nice_yaml, quote=shlex.quote)
+    # By full name, as the roles call them: Ansible finds a collection's filters by no other.
+    env.filters.update({f"{COLLECTION}.{name}": f for name, f in serialisers().FilterModule().filters().items()})
     return env
 
 
@@ -64,8 +91,15 @@ def render_all(loaded: Loaded) -> list[Output]:
     group, nodes = ctx["hy3spark"], ctx["nodes"]
     env = environment()
 
+    unsafe = serialisers().UnsafeValue
+
     def tpl(name: str, **extra: Any) -> str:
-        return env.get_template(name).render(hy3spark=group, nodes=nodes, **extra)
+        try:
+            return env.get_template(name).render(hy3spark=group, nodes=nodes, **extra)
+        except unsafe as exc:
+            # Validation refuses these values first; this is the last line, never a file that means something else.
+            source = loaded.path or "the cluster spec"
+            raise SpecError(source, [f"{source}: {exc} (in templates/{name}); nothing was written"]) from None
 
     outputs = [
         Output("inventory/hosts.yml", "inventory", tpl("inventory/hosts.yml.j2")),

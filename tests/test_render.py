@@ -283,12 +283,12 @@ def test_golden_without_a_terminal_needs_accept(golden_copy: Path) -> None:
 @pytest.mark.parametrize(("answer", "written"), [("y\n", True), ("yes\n", True), ("n\n", False), ("\n", False)])
 def test_golden_on_a_terminal_asks_before_writing(golden_copy: Path, answer: str, written: bool) -> None:
     hosts = golden_copy / "inventory/hosts.yml"
-    hosts.write_text(hosts.read_text().replace("ansible_user: ubuntu", "ansible_user: root", 1))
+    hosts.write_text(hosts.read_text().replace('ansible_user: "ubuntu"', 'ansible_user: "root"', 1))
     code, out = _golden(golden_copy, stdin=_Terminal(answer))
-    assert "-          ansible_user: root\n+          ansible_user: ubuntu\n" in out
+    assert '-          ansible_user: "root"\n+          ansible_user: "ubuntu"\n' in out
     assert "accept? [y/N] " in out
     assert code == (0 if written else 1)
-    assert ("ansible_user: root" not in hosts.read_text()) is written
+    assert ('ansible_user: "root"' not in hosts.read_text()) is written
     assert ("not written" in out) is not written
 
 

@@ -318,7 +318,8 @@ def test_the_engine_receives_its_secrets_as_vllm_api_key_and_hf_token() -> None:
     assert engine_secret_names() >= {"VLLM_API_KEY", "HF_TOKEN"}
     block = yaml.safe_load(SECRETS_TEMPLATE.read_text())["__vllm_serve_secrets"]
     assert "{% for name, source in vllm_serve_secret_env.items() %}" in block
-    assert "{{ name }}={{ value | quote }}" in block and not re.search(r"^\s*[A-Z_]+=", block, flags=re.MULTILINE)
+    line = "{{ name | hy3spark.cluster.env_key }}={{ value | hy3spark.cluster.env_value(name) | quote }}"
+    assert line in block and not re.search(r"^\s*[A-Z_]+=", block, flags=re.MULTILINE)
     defaults = yaml.safe_load((REPO / "roles" / "vllm_serve" / "defaults" / "main.yml").read_text())
     assert defaults["vllm_serve_secret_env"] == "{{ hy3spark.secrets }}"
 

@@ -165,7 +165,10 @@ def test_ansible_template_matches_python_render(spec_name: str, tmp_path: Path) 
     }))
     env = {**os.environ, "LC_ALL": "C.UTF-8", "ANSIBLE_NOCOLOR": "1", "ANSIBLE_RETRY_FILES_ENABLED": "0",
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp"), "ANSIBLE_REMOTE_TEMP": str(tmp_path / "ansible-tmp"),
-           "ANSIBLE_CONFIG": str(tmp_path / "none.cfg")}
+           "ANSIBLE_CONFIG": str(tmp_path / "none.cfg"),
+           # The templates call the collection's serialisers by full name (hy3spark.cluster.env_value): the
+           # checkout's link makes the repo the collection hy3spark.cluster, as ansible.cfg's collections_path does.
+           "ANSIBLE_COLLECTIONS_PATH": str(REPO / "collections")}
     proc = subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", str(python_out / "inventory" / "hosts.yml"), "-e", f"@{tmp_path / 'vars.json'}",
          str(tmp_path / "parity.yml")],
