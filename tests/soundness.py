@@ -1,0 +1,97 @@
+"""Is a render sound? `assert_sound(outputs)` checks each rendered file against its format's own reader.
+
+For anyone who renders a spec and wants to know the files mean what they say (the render tests, the adversarial
+corpus of issue 14): every YAML file parses to one document with each key once, every JSON file parses with each
+key once, every shell script passes `bash -n`, and every env file (node.env, secrets.env, /etc/default/earlyoom) is
+blank lines, `#` comments and NAME=value lines only. A file whose format is not known fails: a new kind of file
+must say how it is checked.
+
+    from soundness import assert_sound
+    assert_sound(render_all(loaded))          # or a {path: content} mapping
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from hy3spark.render import Output
+
+ENV_LINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[^\n\r\x00]*")
+ENV_FILES = {"earlyoom"}  # /etc/default/earlyoom: systemd's EnvironmentFile= of earlyoom.service
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader, except that a key given twice is an error (PyYAML lets the last one win)."""
+
+
+def _mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def file_format(path: str) -> str:
+    name = PurePosixPath(path).name
+    if name in ENV_FILES:
+        return "env"
+    suffix = PurePosixPath(path).suffix
+    formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
+    if suffix not in formats:
+        raise AssertionError(f"{path}: no soundness check knows this file's format; add it to tests/soundness.py")
+    return formats[suffix]
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"key(s) given twice: {twice}")
+    return dict(pairs)
+
+
+def problems(path: str, text: str) -> list[str]:
+    """What is wrong with one rendered file, as `path: reason` lines (none for a sound file)."""
+    fmt = file_format(path)
+    if fmt == "yaml":
+        try:
+            docs = list(yaml.load_all(text, Loader=_UniqueKeyLoader))
+        except yaml.YAMLError as exc:
+            return [f"{path}: not YAML: {exc}"]
+        return [] if len(docs) == 1 else [f"{path}: {len(docs)} YAML documents, one expected"]
+    if fmt == "json":
+        try:
+            json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as exc:
+            return [f"{path}: not JSON: {exc}"]
+        return []
+    if fmt == "sh":
+        proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, check=False)
+        return [] if proc.returncode == 0 else [f"{path}: bash -n: {proc.stderr.strip()}"]
+    if "\r" in text or "\x00" in text:
+        return [f"{path}: a carriage return or NUL in an env file"]
+    found = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip() and not line.startswith("#") and not ENV_LINE.fullmatch(line):
+            found.append(f"{path}:{number}: not a NAME=value line: {line!r}")
+    return found
+
+
+def assert_sound(outputs: Iterable[Output] | Mapping[str, str]) -> None:
+    files = dict(outputs) if isinstance(outputs, Mapping) else {o.path: o.content for o in outputs}
+    assert files, "nothing rendered"
+    found = [p for path, text in sorted(files.items()) for p in problems(path, text)]
+    assert not found, "unsound render:\n" + "\n".join(found)
