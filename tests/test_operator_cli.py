@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES_ENV = REPO / ".cache" / "images.env"
@@ -527,8 +528,16 @@ def test_logs_follow_detaches_on_ctrl_c_and_the_engine_keeps_serving(cluster: Cl
 
 
 def test_failing_up_names_the_host_and_the_task(cluster: Cluster) -> None:
-    spec = cluster.spec_file("bad-flag.yml", SPEC.replace("extra_args: []", "extra_args: [--no-such-flag]"))
-    proc = cluster.cli("up", str(spec), "--tags", "serve", "--runs-dir", str(cluster.runs))
+    """The image's engine refuses the serve command at startup, as when the image holds another vLLM than the one
+    whose option table the spec is checked against. A spec can no longer carry an unknown option (serving.extra_args
+    is checked against vLLM 0.23's table), so the rendered serve command gets one through the extra vars."""
+    rendered = cluster.root / "bad-flag"
+    subprocess.run([sys.executable, "-m", "hy3spark", "render", str(cluster.spec), "--out", str(rendered)], cwd=REPO,
+                   check=True, capture_output=True)
+    group = yaml.safe_load((rendered / "inventory/group_vars/all/hy3spark.yml").read_text())
+    group["hy3spark"]["serving"]["argv"].append("--no-such-flag")
+    bad = cluster.spec_file("bad-flag.yml", yaml.safe_dump({"hy3spark": group["hy3spark"]}))
+    proc = cluster.cli("up", str(cluster.spec), "--tags", "serve", "-e", f"@{bad}", "--runs-dir", str(cluster.runs))
     assert proc.returncode == 1, proc.stderr[-4000:]
     summary = proc.stderr[proc.stderr.index("site.yml failed"):]
     assert re.search(rf"FAILED host {HEAD}, task '[^']+'", summary), summary
