@@ -481,6 +481,20 @@ def test_the_installed_wheel_up_finds_the_cluster_in_sync(wheel: Installed) -> N
     test_idempotent_run_left_the_engine_and_containers_alone()
 
 
+def test_the_installed_wheel_checks_the_cluster_and_a_dry_run_changes_nothing(wheel: Installed) -> None:
+    """`hy3spark check --dry-run` of the installed wheel: the preflight table for both nodes, then site.yml in check
+    and diff mode (the drift check finds the cluster in sync), exit 0, and nothing restarted."""
+    proc = hy3spark(wheel, "check", "--dry-run")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-20000:]
+    for name in NODES:
+        assert re.search(rf"^{name}\s+mtu\s+PASS\s+9000\s+9000$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^preflight: \d+ pass, 0 fail", proc.stdout, re.M), proc.stdout
+    assert "site.yml: ok in" in proc.stdout, out[-20000:]
+    assert API_KEY not in out
+    test_idempotent_run_left_the_engine_and_containers_alone()
+
+
 # --- the way back -----------------------------------------------------------------------------------------------------
 
 
