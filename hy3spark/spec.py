@@ -55,6 +55,16 @@ class SpecModel(BaseModel):
 
 
 Lax = Field(strict=False)
+
+
+def _address_text(value: Any) -> Any:
+    # Lax would also take a YAML boolean or integer as an address (`mgmt_ip: yes` is 0.0.0.1, `host: off` 0.0.0.0).
+    if not isinstance(value, str):
+        raise ValueError("must be an address written as text, such as 10.0.0.1")
+    return value
+
+
+Address = Annotated[ipaddress.IPv4Address, Lax, BeforeValidator(_address_text)]
 # Upper bounds on counts and sizes: a value past them is a typo, and an int too big for a float crashes the planner.
 _COUNT = 2**31 - 1
 _BYTES = 2**60
@@ -69,7 +79,9 @@ def _not_bool(value: Any) -> Any:
 
 
 def _fabric_address(value: Any) -> Any:
-    if isinstance(value, str) and ":" in value:
+    if not isinstance(value, str):
+        raise ValueError("must be an address with prefix written as text, such as 10.0.0.1/24")
+    if ":" in value:
         raise ValueError("IPv6 fabric addresses are refused on purpose: the Ray, NCCL and vLLM settings hy3spark "
                          "renders are IPv4 only; give the port a private IPv4 address such as 10.0.0.1/24")
     return value
@@ -122,7 +134,7 @@ class Node(SpecModel):
     ssh_host: Annotated[str, AfterValidator(grammars.ssh_host)] | None = Field(
         default=None, description="address Ansible connects to; default mgmt_ip, else fabric")
     ssh_user: Annotated[str, AfterValidator(grammars.posix_user)] = "ubuntu"
-    mgmt_ip: Annotated[ipaddress.IPv4Address, Lax] | None = None
+    mgmt_ip: Address | None = None
     gpus: Annotated[int, Field(ge=1, le=8)] = 1
 
     @property
@@ -196,7 +208,7 @@ class ServingBase(SpecModel):
     (VllmServing, ...) adds its flags; `serving.engine` chooses the section, and its fields are checked there."""
 
     served_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$")]
-    host: Annotated[ipaddress.IPv4Address, Lax] = ipaddress.IPv4Address("0.0.0.0")
+    host: Address = ipaddress.IPv4Address("0.0.0.0")
     port: Annotated[int, Field(ge=1, le=65535)] = 8888
     tensor_parallel: Annotated[int, Field(ge=1, le=_COUNT)]
     pipeline_parallel: Annotated[int, Field(ge=1, le=_COUNT)] = 1

@@ -122,6 +122,12 @@ HOSTILE = [
     ("strict-bool", ("serving", "trust_remote_code"), "yes", "serving.trust_remote_code", "valid boolean"),
     ("strict-bool", ("serving", "enforce_eager"), 1, "serving.enforce_eager", "Input should be a valid boolean"),
     ("strict-float", ("serving", "gpu_memory_utilization"), "0.9", "serving.gpu_memory_utilization", "quotes"),
+    # addresses are read laxly from text only: a YAML boolean or integer is no address (`mgmt_ip: yes` was 0.0.0.1)
+    ("address", ("head", "mgmt_ip"), True, "head.mgmt_ip", "must be an address written as text"),
+    ("address", ("head", "mgmt_ip"), 3232235786, "head.mgmt_ip", "must be an address written as text"),
+    ("address", ("serving", "host"), False, "serving.host", "must be an address written as text"),
+    ("address", ("head", "fabric_ip"), True, "head.fabric_ip", "must be an address with prefix written as text"),
+    ("address", ("workers", 0, "fabric_ip"), 167772162, "workers[0].fabric_ip", "must be an address with prefix"),
     ("finite", ("hardware", "total_memory_gib"), 1e300, "hardware.total_memory_gib", "less than or equal to 4096"),
     ("finite", ("serving", "overhead_gib"), 1e9, "serving.overhead_gib", "less than or equal to 1024"),
     ("finite", ("model", "size_bytes"), 10**30, "model.size_bytes", "less than or equal to"),
