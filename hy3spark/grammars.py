@@ -36,8 +36,13 @@ _IMAGE_REF = re.compile(rf"(?P<name>(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_C
 _EARLYOOM_UNSAFE = re.compile(r"[\s\"'`\\\x00-\x1f\x7f]")
 
 
+# YAML 1.1 and Python's splitlines also break lines at NEL and the Unicode separators (the render's filters refuse
+# them: plugins/filter/serialisers.py LINE_BREAKS), so validation refuses them too rather than pass them to render.
+_UNICODE_BREAKS = "\x85\u2028\u2029"
+
+
 def _control(value: str) -> bool:
-    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+    return any(ord(c) < 0x20 or ord(c) == 0x7F or c in _UNICODE_BREAKS for c in value)
 
 
 def plain_yaml(value: str, what: str) -> str:

@@ -167,6 +167,8 @@ CASES = [
            "model.cache_dir"),
     refuse("env-value-newline", "env-file", add_env("FOO", "1\nLD_PRELOAD=/tmp/" + PWN), "container.env.FOO"),
     refuse("env-value-carriage-return", "env-file", add_env("FOO", "1\rLD_PRELOAD=/x"), "container.env.FOO"),
+    refuse("env-value-line-separator", "env-file", add_env("FOO", "1\u2028LD_PRELOAD=/x"), "container.env.FOO"),
+    refuse("label-paragraph-separator", "env-file", set_(("pi", "model_label"), "Hy3\u2029x: y"), "pi.model_label"),
     refuse("env-value-nul", "env-file", add_env("FOO", "1\x00"), "container.env.FOO"),
     refuse("env-key-newline", "env-file", add_env("FOO=1\nLD_PRELOAD", "/tmp/" + PWN), "container.env"),
     refuse("env-key-equals", "env-file", add_env("A=B", "1"), "container.env"),

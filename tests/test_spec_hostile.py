@@ -80,6 +80,8 @@ HOSTILE = [
     ("env-name", ("container", "env"), {"1A": "1"}, "container.env.1A", "is not a valid environment variable name"),
     ("env-value", ("container", "env"), {"A": "1\nLD_PRELOAD=/x.so"}, "container.env.A", "holds a newline"),
     ("env-value", ("container", "env"), {"A": "1\x00"}, "container.env.A", "holds a newline, NUL"),
+    ("env-value", ("container", "env"), {"A": "1\u2028B=2"}, "container.env.A", "holds a newline, NUL"),
+    ("env-value", ("container", "env"), {"A": "1\x85"}, "container.env.A", "holds a newline, NUL"),
     ("env-ref", ("model", "token_env"), "HF_TOKEN\n", "model.token_env", "is not an environment variable name"),
     ("env-ref", ("serving", "api_key_env"), "vllm_api_key", "serving.api_key_env", "is not an environment variable"),
     # interfaces: netdev names
@@ -138,6 +140,7 @@ HOSTILE = [
     ("ident", ("serving", "tool_call_parser"), "--x", "serving.tool_call_parser", "is not a name"),
     ("ident", ("pi", "provider"), "a b", "pi.provider", "is not a name"),
     ("text", ("pi", "model_label"), "Hy3\n  x: y", "pi.model_label", "must be one line"),
+    ("text", ("pi", "model_label"), "Hy3\u2029x: y", "pi.model_label", "must be one line"),
     ("version", ("ray", "version"), "2.60.0; rm -rf /", "ray.version", "is not a version"),
     ("extra-args", ("serving", "extra_args"), ["--enable-prefix-caching\n--api-key"], "serving.extra_args[0]",
      "holds a newline"),
