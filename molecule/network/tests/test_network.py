@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import testinfra
+import yaml
 
 SCENARIO = Path(os.environ.get("MOLECULE_SCENARIO_DIRECTORY", Path(__file__).resolve().parents[1]))
 RENDERED = SCENARIO / ".rendered"
@@ -54,7 +55,8 @@ def test_netplan_file_is_the_rendered_one(name: str) -> None:
     deployed = node(name).file(NETPLAN)
     rendered = RENDERED / "files" / name / "etc/netplan/60-hy3spark-fabric.yaml"
     assert deployed.content == rendered.read_bytes(), "differs from `hy3spark render --only netplan`"
-    assert f"- {FABRIC_IP[name]}/24" in deployed.content_string
+    fabric = yaml.safe_load(deployed.content_string)["network"]["ethernets"][FABRIC_IF]
+    assert fabric["addresses"] == [f"{FABRIC_IP[name]}/24"]
     assert (deployed.user, deployed.group, deployed.mode) == ("root", "root", 0o600)
 
 
