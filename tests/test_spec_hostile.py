@@ -11,28 +11,14 @@ from typing import Any
 
 import pytest
 import yaml
+from test_spec_rules import BASE
 
 from hy3spark.errors import EXIT_SPEC, SpecError
 from hy3spark.render import render_all
 from hy3spark.spec import parse_spec
 
-# A complete two-Spark spec without a profile, so that every value a case changes is in the user's file.
-BASE: dict[str, Any] = {
-    "name": "pair",
-    "head": {"name": "spark-a", "fabric_ip": "10.0.0.1/24", "ssh_user": "ops"},
-    "workers": [{"name": "spark-b", "fabric_ip": "10.0.0.2/24", "ssh_user": "ops"}],
-    "fabric": {"interfaces": ["enp1s0f1np1"], "hcas": ["rocep1s0f1", "roceP2p1s0f1"], "mtu": 9000},
-    "image": {"ref": "vllm/vllm-openai:v0.23.0"},
-    "model": {
-        "repo": "org/model",
-        "revision": "0123456789abcdef0123456789abcdef01234567",
-        "cache_dir": "/var/lib/hy3spark/hub",
-        "size_bytes": 1000,
-        "arch": {"num_hidden_layers": 4, "num_key_value_heads": 8, "head_dim": 64, "max_context": 4096},
-    },
-    "serving": {"served_name": "m", "tensor_parallel": 2, "max_model_len": 4096, "max_num_seqs": 4,
-                "api_key_env": "VLLM_API_KEY"},
-}
+# BASE: the complete two-Spark spec without a profile that the rule tests use, so that every value a case changes
+# is in the user's file.
 SECRET = "hf_" + "Q" * 30
 
 
