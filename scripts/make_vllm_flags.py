@@ -13,7 +13,6 @@ spec check reads this copy (hy3spark/engines/vllm_args.py).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -52,19 +51,9 @@ def render(table: dict[str, Any]) -> str:
     return head.removesuffix("\n}") + ',\n "options": [\n' + options + "\n ]\n}\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the table is stale")
-    text = render(build_table())
-    if parser.parse_args().check:
-        if TABLE.read_text() != text:
-            print(f"{TABLE} is stale: run scripts/make_vllm_flags.py", file=sys.stderr)
-            return 1
-        return 0
-    TABLE.write_text(text)
-    print(f"wrote {TABLE}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # The --check/write entry point the engine double's derived tables share.
+    sys.path.insert(0, str(REPO / "tests" / "engine_double"))
+    import derived_table
+
+    sys.exit(derived_table.main(__doc__, TABLE, lambda: render(build_table()), "scripts/make_vllm_flags.py"))
