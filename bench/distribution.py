@@ -38,7 +38,7 @@ HEAD, WORKER = "bench-dist-head", "bench-dist-worker"
 IPS = {HEAD: "10.94.0.200", WORKER: "10.94.0.201"}
 REPO = "hubdouble/bench-model"
 IMAGE = "bench.local/hy3spark/engine:bench"
-TOKEN_ENV = "HUBDOUBLE_TOKEN"
+TOKEN_ENV = "HY3SPARK_HUB_TOKEN"
 CACHE = "/var/lib/hy3spark/hub"
 REPO_DIR = f"{CACHE}/models--hubdouble--bench-model"
 

@@ -499,7 +499,24 @@ def _check_secret_refs(spec: Spec) -> list[Problem]:
                                    f"in an environment variable and write its NAME here (for example {example})"))
         elif not grammars.ENV_REF.fullmatch(value):
             problems.append((path, f"{value!r} is not an environment variable name (for example {example})"))
+        elif value not in SECRET_VARS[path] and not value.startswith(SECRET_VAR_PREFIX):
+            named = ", ".join(sorted(SECRET_VARS[path]))
+            problems.append((path, f"{value} is not a name a spec may read a secret from: a copied spec could "
+                                   "otherwise copy any of the controller's secrets to the nodes. Use one of "
+                                   f"{named}, or a name that starts with {SECRET_VAR_PREFIX} (for example "
+                                   f'export {SECRET_VAR_PREFIX}{example}="${value}" and write '
+                                   f"{SECRET_VAR_PREFIX}{example} here)"))
     return problems
+
+
+# The controller variables a spec may name as its secrets' sources (model.token_env, serving.api_key_env): the names
+# the hub client and the engines read themselves, and the operator's own HY3SPARK_* names. Any other name is refused,
+# so a copied spec cannot point hy3spark at AWS_SECRET_ACCESS_KEY and send that to the nodes (and to the hub).
+SECRET_VAR_PREFIX = "HY3SPARK_"
+SECRET_VARS: dict[tuple[str, ...], frozenset[str]] = {
+    ("model", "token_env"): frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"}),
+    ("serving", "api_key_env"): frozenset({"VLLM_API_KEY"}),
+}
 
 
 def _looks_secret(value: str) -> bool:
@@ -545,8 +562,11 @@ def _check_extra_args(spec: Spec) -> list[Problem]:
 
 
 # Titles the engine and Ray processes have, as earlyoom sees them (comm, cut to 15 characters).
+# The interpreter appears as the name it was started by (python3, or python3.12 in an image that calls it so), and
+# PyTorch renames the main thread of every process that imports it to pt_main_thread, which is what `ps` then shows.
 _PROTECTED_TITLES = ("vllm", "VLLM", "VLLM::EngineCor", "VLLM::Worker", "ray", "raylet", "gcs_server", "ray::IDLE",
-                     "ray::RayWorkerW", "python3", "python")
+                     "ray::RayWorkerW", "python3", "python", *(f"python3.{minor}" for minor in range(8, 16)),
+                     "pt_main_thread")
 
 
 def _check_earlyoom(spec: Spec) -> list[Problem]:

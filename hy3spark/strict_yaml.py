@@ -45,6 +45,7 @@ _BUILD = {
     f"{_YAML_TAG}float": _CONSTRUCTOR.construct_yaml_float,
 }
 _MERGE = f"{_YAML_TAG}merge"
+_KIND = {type(None): "null", bool: "boolean", int: "number", float: "number"}
 
 
 class StrictYAMLError(Exception):
@@ -88,19 +89,35 @@ def _scalar(event: yaml.ScalarEvent, path: Path, line: int, is_key: bool) -> Any
     return value
 
 
-def _yaml_error(exc: yaml.YAMLError, text: str) -> StrictYAMLError:
+def _yaml_error(exc: yaml.YAMLError, text: str, path: Path | None) -> StrictYAMLError:
+    """The parser's complaint with its line and the field it was reading (`path`: the deepest one open then)."""
     mark = getattr(exc, "problem_mark", None)
     if mark is not None:
         problem = getattr(exc, "problem", None) or str(exc)
         context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
         if context and context_mark is not None and context_mark.line != mark.line:
             problem += f" ({context} that starts at line {context_mark.line + 1})"  # where an indentation slip began
-        return StrictYAMLError(mark.line + 1, None, f"malformed YAML: {problem}")
-    if isinstance(exc, yaml.reader.ReaderError):  # a control character: the reader knows its position only
+        bad_line = text.split("\n")[mark.line] if mark.line < text.count("\n") + 1 else ""
+        if "\t" in bad_line[: len(bad_line) - len(bad_line.lstrip(" \t")) + 1]:
+            problem += "; YAML indents with spaces only: replace the tab at the start of the line with spaces"
+        return StrictYAMLError(mark.line + 1, path or None, f"malformed YAML: {problem}")
+    if isinstance(exc, yaml.reader.ReaderError):  # a control character: the reader knows its position only (it reads
+        # ahead of the parser, so the field open then is not the one that holds it)
         line = text.count("\n", 0, exc.position) + 1
-        return StrictYAMLError(line, None, f"malformed YAML: character #x{exc.character:04x} is not allowed in YAML "
-                                           "text (control characters are refused)")
-    return StrictYAMLError(None, None, f"malformed YAML: {exc}")
+        return StrictYAMLError(line, None, f"malformed YAML: character #x{exc.character:04x} is not allowed "
+                                                   "in YAML text (control characters are refused)")
+    return StrictYAMLError(None, path or None, f"malformed YAML: {exc}")
+
+
+def _open_path(stack: list[_Frame]) -> Path:
+    """The field being read when the parser stopped: the innermost open mapping's pending key, or the list's next
+    item."""
+    if not stack:
+        return ()
+    top = stack[-1]
+    if isinstance(top.value, list):
+        return (*top.path, len(top.value))
+    return (*top.path, str(top.key)) if top.has_key else top.path
 
 
 def load(text: str) -> tuple[Any, dict[Path, int]]:
@@ -171,6 +188,12 @@ def load(text: str) -> tuple[Any, dict[Path, int]]:
                 parent.value.append(value)
             elif not parent.has_key:
                 key_path = (*parent.path, str(value))
+                if not isinstance(value, str):
+                    shown = event.value or "(empty)"  # the key's scalar event: the text as written
+                    raise StrictYAMLError(line, parent.path,
+                                          f"the key {shown} is read by YAML as a {_KIND[type(value)]}, not a name: "
+                                          "every key in a spec is a field, node or variable name (quote it if "
+                                          "it is meant as text)")
                 first = parent.key_lines.get(value)
                 if first is not None:
                     raise StrictYAMLError(line, key_path, f"duplicate key (first at line {first}); YAML would "
@@ -182,7 +205,7 @@ def load(text: str) -> tuple[Any, dict[Path, int]]:
                 parent.value[parent.key] = value
                 parent.has_key = False
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, text) from None
+        raise _yaml_error(exc, text, _open_path(stack)) from None
     return root, lines
 
 

@@ -45,7 +45,7 @@ fabric:
   hcas: [rocep1s0f1, roceP2p1s0f1]
 model:
   revision: 0c11c0ffee0c11c0ffee0c11c0ffee0c11c0ffee
-  token_env: MY_HF
+  token_env: HY3SPARK_MY_HF
 serving:
   api_key_env: VLLM_API_KEY
 """
@@ -63,21 +63,22 @@ def spec(tmp_path: Path) -> Path:
 
 # --- refused before anything runs -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("command", "value", "message"), [
-    ("up", "MY_HF=s3cr3t", "'MY_HF' names a secret. {why} Export MY_HF instead"),
+    ("up", "HY3SPARK_MY_HF=s3cr3t", "'HY3SPARK_MY_HF' names a secret. {why} Export HY3SPARK_MY_HF instead"),
     # The engine's name for the token on the head, in any case, among other pairs: the spec's variable to export.
-    ("down", "a=1 hf_token=s3cr3t", "'hf_token' names a secret. {why} Export MY_HF instead"),
+    ("down", "a=1 hf_token=s3cr3t", "'hf_token' names a secret. {why} Export HY3SPARK_MY_HF instead"),
     ("check", "VLLM_API_KEY=s3cr3t", "'VLLM_API_KEY' names a secret. {why} Export VLLM_API_KEY instead"),
     ("status", '{"__vllm_serve_api_key": "s3cr3t"}', "'__vllm_serve_api_key' is named like a credential. {why}"),
     ("up", '{"vllm_serve": {"ansible_become_password": "s3cr3t"}}',
      "'vllm_serve.ansible_become_password' is named like a credential. {why}"),
     ("up", "ansible_ssh_pass=s3cr3t", "'ansible_ssh_pass' is named like a credential. {why}"),
-    ("down", f"note=copied-{SECRET}", "the value of 'note' holds the secret MY_HF. {why} Leave it in MY_HF"),
-    ("up", f'{{"a": {{"b": ["{SECRET}"]}}}}', "the value of 'a.b[0]' holds the secret MY_HF. {why}"),
+    ("down", f"note=copied-{SECRET}",
+     "the value of 'note' holds the secret HY3SPARK_MY_HF. {why} Leave it in HY3SPARK_MY_HF"),
+    ("up", f'{{"a": {{"b": ["{SECRET}"]}}}}', "the value of 'a.b[0]' holds the secret HY3SPARK_MY_HF. {why}"),
 ])
 def test_an_extra_var_carrying_a_secret_is_refused_before_anything_runs(
         cli: Callable[..., object], spec: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
         value: str, message: str) -> None:
-    monkeypatch.setenv("MY_HF", SECRET)
+    monkeypatch.setenv("HY3SPARK_MY_HF", SECRET)
     runs = tmp_path / "runs"
     result = cli(command, str(spec), "--runs-dir", str(runs), "-e", "harmless=1", "-e", value)
     assert result.code == 2
@@ -132,7 +133,7 @@ def test_names_of_variables_files_and_counts_pass(tmp_path: Path, monkeypatch: p
 
 # --- what reaches ansible-playbook's command line ---------------------------------------------------------------------
 def hy3spark(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MY_HF", "VLLM_API_KEY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("HY3SPARK_MY_HF", "VLLM_API_KEY")}
     return subprocess.run([str(Path(sys.executable).parent / "hy3spark"), *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -94,7 +94,8 @@ def _variations() -> dict[str, str]:
                                 serving={"tensor_parallel": 4}),
         "three-sparks-pp3": vary(pair, workers=[*pair["workers"], worker("c", 3)],
                                  serving={"tensor_parallel": 1, "pipeline_parallel": 3}),
-        "renamed-secrets": vary(pair, serving={"api_key_env": "MY_SERVE_KEY"}, model={"token_env": "MY_HUB_TOKEN"}),
+        "renamed-secrets": vary(pair, serving={"api_key_env": "HY3SPARK_SERVE_KEY"},
+                                model={"token_env": "HY3SPARK_HUB_TOKEN"}),
         "no-hub-token": vary(pair, model={"token_env": None}),
         "open-endpoint": vary(pair, serving={"api_key_env": None, "open_endpoint": True}),
         "host-loopback": vary(pair, serving={"host": "127.0.0.1", "api_key_env": None}),
@@ -116,7 +117,7 @@ def _variations() -> dict[str, str]:
         "container-env": vary(pair, container={"env": {"NCCL_NET_GDR_LEVEL": "SYS", "TZ": "UTC"}}),
         "single-no-mgmt": vary(single, head={"name": "solo", "fabric_ip": "10.9.0.5/24", "ssh_user": "dgx"}),
         "single-two-gpus": vary(single, head={**single["head"], "gpus": 2}, serving={"tensor_parallel": 2}),
-        "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "SOLO_KEY"},
+        "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "HY3SPARK_SOLO_KEY"},
                                earlyoom={"policy": "stop"}),
     }
 
@@ -306,8 +307,8 @@ def test_the_cases_cover_what_the_invariants_branch_on() -> None:
     assert {e.get("earlyoom.policy", "protect") for e in exps} == {"protect", "stop", "leave"}
     assert {len(e.nodes) for e in exps} >= {1, 2, 3, 4, 5}
     assert {e.get("serving.host", DEFAULT_HOST) for e in exps} >= {"0.0.0.0", "127.0.0.1", "192.168.1.10", "10.0.0.1"}
-    assert {e.api_key_env for e in exps} >= {None, "VLLM_API_KEY", "MY_SERVE_KEY"}
-    assert {e.token_env for e in exps} >= {None, "HF_TOKEN", "MY_HUB_TOKEN"}
+    assert {e.api_key_env for e in exps} >= {None, "VLLM_API_KEY", "HY3SPARK_SERVE_KEY"}
+    assert {e.token_env for e in exps} >= {None, "HF_TOKEN", "HY3SPARK_HUB_TOKEN"}
     assert len(CASES) >= 4 + 8 + 15
 
 

@@ -236,6 +236,33 @@ def test_a_list_as_a_mapping_key(cli, tmp_path: Path) -> None:
     refused(cli, tmp_path, text, f"SPEC:{line_of(text, '? [a')}: (top level): a mapping key must be a plain value")
 
 
+@pytest.mark.parametrize(("key", "kind"), [("1", "number"), ("yes", "boolean"), ("null", "null"), ("2.5", "number")])
+def test_a_key_yaml_reads_as_a_number_or_boolean(cli, tmp_path: Path, key: str, kind: str) -> None:
+    # Once this was pydantic's "Keys should be strings", blamed on the profile.
+    text = EXAMPLE + f"{key}: x\n"
+    refused(cli, tmp_path, text, f"SPEC:{line_of(text, f'{key}: x')}: (top level): the key {key} is read by "
+                                 f"YAML as a {kind}, not a name")
+    nested = after(EXAMPLE, "  api_key_env", f"  {key}: 3\n")
+    refused(cli, tmp_path, nested, f"SPEC:{line_of(nested, f'  {key}: 3')}: serving: the key {key} is read by "
+                                   f"YAML as a {kind}")
+
+
+def test_a_quoted_key_is_text_and_then_an_unknown_field(cli, tmp_path: Path) -> None:
+    text = EXAMPLE + "'1': x\n"
+    err = refused(cli, tmp_path, text, "1")
+    assert "is read by YAML" not in err
+
+
+def test_a_tab_in_the_indentation_names_the_field_and_says_spaces(cli, tmp_path: Path) -> None:
+    text = after(EXAMPLE, "  api_key_env", "\tport: 8000\n")
+    refused(cli, tmp_path, text, f"SPEC:{line_of(text, chr(9) + 'port')}: serving: malformed YAML",
+            "YAML indents with spaces only: replace the tab at the start of the line with spaces")
+    listed = EXAMPLE.replace("\nworkers:\n  - ", "\nworkers:\n\t- ", 1)
+    assert listed != EXAMPLE
+    refused(cli, tmp_path, listed, f"SPEC:{line_of(listed, chr(9) + '- ')}: workers: malformed YAML",
+            "YAML indents with spaces only")
+
+
 @pytest.mark.parametrize("profile", ["../x", "/tmp/p", "a/b", "..\\x", "~/p", ".hidden", "hy3-295b-nvfp4-tp2.yml",
                                      "../profiles/hy3-295b-nvfp4-tp2"])
 def test_a_profile_is_chosen_by_name_never_by_path(cli, tmp_path: Path, profile: str) -> None:

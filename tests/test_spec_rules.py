@@ -367,6 +367,25 @@ def test_api_key_env_must_be_a_variable_name_or_a_secret_is_suspected() -> None:
     assert "sk-abcdefghijklmnop1234" not in found
 
 
+@pytest.mark.parametrize(("field", "value"), [("model", "HF_TOKEN"), ("model", "HUGGING_FACE_HUB_TOKEN"),
+                                              ("model", "HY3SPARK_HF_TOKEN"), ("serving", "VLLM_API_KEY"),
+                                              ("serving", "HY3SPARK_API_KEY")])
+def test_a_secret_is_read_from_the_engines_own_names_or_the_operators_hy3spark_names(field: str, value: str) -> None:
+    key = "token_env" if field == "model" else "api_key_env"
+    loaded = parse_spec(spec_text(**{field: {key: value}}), "c")
+    assert getattr(getattr(loaded.spec, field), key) == value
+
+
+def test_a_spec_cannot_name_another_secret_of_the_controllers() -> None:
+    # A copied spec naming AWS_SECRET_ACCESS_KEY would have its value copied to the nodes' secrets file and sent to the
+    # hub as a bearer token.
+    found = only_problem(spec_text(model={"token_env": "AWS_SECRET_ACCESS_KEY"}))
+    assert found.endswith("model.token_env: AWS_SECRET_ACCESS_KEY is not a name a spec may read a secret from: a "
+                          "copied spec could otherwise copy any of the controller's secrets to the nodes. Use one of "
+                          "HF_TOKEN, HUGGING_FACE_HUB_TOKEN, or a name that starts with HY3SPARK_ (for example export "
+                          'HY3SPARK_HF_TOKEN="$AWS_SECRET_ACCESS_KEY" and write HY3SPARK_HF_TOKEN here)'), found
+
+
 def test_no_token_env_at_all_is_allowed() -> None:
     assert parse_spec(spec_text(model={"token_env": None}), "c").spec.model.token_env is None
 

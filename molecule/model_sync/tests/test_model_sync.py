@@ -25,7 +25,7 @@ COMMIT = "d0771674110ed6a93513dba8db5337607c4fb9c9"
 CACHE = "/var/lib/hy3spark/hub"
 REPO_DIR = f"{CACHE}/models--hubdouble--tiny-model"
 SNAPSHOT = f"{REPO_DIR}/snapshots/{COMMIT}"
-TOKEN = os.environ.get("HUBDOUBLE_TOKEN", "hubdouble-test-token-3f9c2a")
+TOKEN = os.environ.get("HY3SPARK_HUB_TOKEN", "hubdouble-test-token-3f9c2a")
 DAMAGED = ("model-00002-of-00006.safetensors", "model-00003-of-00006.safetensors")
 
 # Hashes of every file under a directory, computed on the node itself.
