@@ -183,6 +183,9 @@ class NodeContext(TypedDict):
     container: Container
     # The container as `docker run` words (templates/docker-run.sh.j2 quotes each one).
     docker_run: list[str]
+    # What the engine runs on this node (serve.sh execs it): the head's command, a native launcher's headless
+    # command on the other nodes, nothing on a Ray worker (Ray places its ranks).
+    serve_argv: list[str]
 
 
 class Context(TypedDict):
@@ -245,8 +248,14 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
     return [*argv, "--block"]
 
 
+# The native launcher's node container holds the engine's namespace (host network and IPC, GPUs, mounts) until the
+# serving role execs the engine in it, as the Ray container does with Ray; it runs nothing else.
+HOLD_ARGV = ["sleep", "infinity"]
+
+
 def _container_for(spec: Spec, node: Node, head: bool) -> Container:
-    """A Ray node container described as data; the ray_head/ray_worker roles turn it into a container."""
+    """A node container described as data: under Ray it runs the node's Ray (the ray_head/ray_worker roles), under
+    the native launcher it holds the node for the engine."""
     role = "head" if head else "worker"
     mounts = [
         f"{spec.model.cache_dir}:{spec.model.cache_dir}",
@@ -257,7 +266,7 @@ def _container_for(spec: Spec, node: Node, head: bool) -> Container:
         "name": f"{spec.container.name_prefix}-{role}",
         "role": role,
         "image": spec.image.ref,
-        "command": _ray_argv(spec, node, head),
+        "command": _ray_argv(spec, node, head) if spec.serving.launcher == "ray" else list(HOLD_ARGV),
         "network_mode": "host",
         "ipc_mode": "host",
         "shm_size": spec.container.shm_size,
@@ -365,6 +374,7 @@ def build_context(loaded: Loaded) -> Context:
             "env": _env_for(spec, engine, node),
             "container": container,
             "docker_run": docker_run_argv(container),
+            "serve_argv": engine.node_argv(i),
         }
     serve_argv = engine.serve_argv()
     plan = plan_summary(loaded)

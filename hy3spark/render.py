@@ -118,9 +118,10 @@ def render_all(loaded: Loaded) -> list[Output]:
         outputs.append(Output(f"{root}/container.json", "container", tpl("container.json.j2", hy3spark_node=node)))
         outputs.append(Output(f"{root}/docker-run.sh", "container", tpl("docker-run.sh.j2", hy3spark_node=node),
                               0o755))
-        if node["role"] == "head":
+        if node["serve_argv"]:  # every node under the native launcher; the head only under Ray
             outputs.append(Output(f"{root}/etc/hy3spark/serve.sh", "serve", tpl("serve.sh.j2", hy3spark_node=node),
                                   0o755))
+        if node["role"] == "head":
             outputs.append(Output(f"{root}/etc/hy3spark/vllm/ray_non_carry_over_env_vars.json", "serve",
                                   tpl("ray_non_carry_over_env_vars.json.j2", hy3spark_node=node)))
     outputs.append(Output("files/pi/models.json", "pi", tpl("pi-models.json.j2")))

@@ -221,9 +221,15 @@ class ServingBase(SpecModel):
 
 
 class VllmServing(ServingBase):
-    """`vllm serve` on Ray (hy3spark/engines/vllm.py)."""
+    """`vllm serve`, its ranks placed by Ray or by vLLM itself (hy3spark/engines/vllm.py)."""
 
     engine: Literal["vllm"] = Field(default="vllm", description="inference engine (see docs/engines.md)")
+    launcher: Literal["ray", "native"] = Field(
+        default="ray", description="ray: a Ray container on every node places the ranks (the recipe's way); native: "
+                                   "vLLM's own executor, no Ray (one node: its mp executor; several: --nnodes, "
+                                   "--node-rank, --master-addr, --headless on the other nodes)")
+    master_port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(
+        default=None, description="native on several nodes: the head's rendezvous port (default 29501)")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
     gpu_memory_utilization: Annotated[FiniteFloat, Field(gt=0, le=1)] = 0.9
     speculative_config: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = None
@@ -232,6 +238,10 @@ class VllmServing(ServingBase):
     enable_auto_tool_choice: bool = False
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    # Always rendered: vLLM's default depends on what NVML says of the GPU's memory (8192, or 2048 when the query
+    # fails, as GB10's is reported to), which changes the KV-cache lines of sliding-window models.
+    max_num_batched_tokens: Annotated[int, Field(ge=16, le=_COUNT)] = Field(
+        default=8192, description="tokens per scheduler step (chunked prefill); rendered explicitly")
     # Checked against vLLM's real option table by a rule (_check_extra_args): the engine knows its flags.
     extra_args: list[Annotated[str, AfterValidator(_one_line)]] = Field(default_factory=list)
     overhead_gib: Annotated[FiniteFloat, Field(ge=0, le=1024)] = Field(
@@ -332,6 +342,16 @@ class Spec(SpecModel):
     earlyoom: Earlyoom = Earlyoom()
     hardware: Hardware = Hardware()
     pi: Pi = Pi()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loopback_on_one_machine(cls, data: Any) -> Any:
+        """The native launcher on one machine (the desktop the operator sits at) binds loopback unless told."""
+        if isinstance(data, dict) and not data.get("workers"):
+            serving = data.get("serving")
+            if isinstance(serving, dict) and serving.get("launcher") == "native" and "host" not in serving:
+                data = {**data, "serving": {**serving, "host": "127.0.0.1"}}
+        return data
 
     @property
     def nodes(self) -> list[Node]:
@@ -465,18 +485,19 @@ def _check_serving(spec: Spec) -> list[Problem]:
                          f"{s.max_model_len} is above the model's context of {arch.max_context} tokens; use at most "
                          f"{arch.max_context}"))
     reserved = {spec.ray.port, spec.ray.node_manager_port, spec.ray.object_manager_port}
-    if s.port in reserved or spec.ray.min_worker_port <= s.port <= spec.ray.max_worker_port:
+    ray = s.launcher == "ray"  # the native launcher starts no Ray: its ports are free then
+    if ray and (s.port in reserved or spec.ray.min_worker_port <= s.port <= spec.ray.max_worker_port):
         problems.append((("serving", "port"), f"{s.port} collides with a Ray port; pick another serving.port"))
     elif s.port == SSH_PORT:
         problems.append((("serving", "port"), f"{s.port} is SSH's port, which Ansible reaches the nodes on; pick "
                                               "another serving.port"))
-    elif s.port == RAY_CLIENT_PORT:
+    elif ray and s.port == RAY_CLIENT_PORT:
         problems.append((("serving", "port"), f"{s.port} is Ray's client server port on the head (ray start "
                                               "--head's default); pick another serving.port"))
-    elif s.port == RAY_DASHBOARD_PORT and spec.ray.dashboard != "off":
+    elif ray and s.port == RAY_DASHBOARD_PORT and spec.ray.dashboard != "off":
         problems.append((("serving", "port"), f"{s.port} is Ray's dashboard port, and ray.dashboard is "
                                               f"{spec.ray.dashboard}; pick another serving.port"))
-    if len(reserved) != 3:
+    if len(reserved) != 3 and s.launcher == "ray":
         problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
     if s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
         problems.append((("serving", "api_key_env"),
@@ -584,8 +605,46 @@ def _check_earlyoom(spec: Spec) -> list[Problem]:
     return problems
 
 
+DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
+
+
+def master_port(spec: Spec) -> int | None:
+    """The native launcher's rendezvous port on the head; None when the launcher is Ray or there is one node."""
+    if spec.serving.launcher != "native" or not spec.multi_node:
+        return None
+    return spec.serving.master_port or DEFAULT_MASTER_PORT
+
+
+def _check_launcher(spec: Spec) -> list[Problem]:
+    s = spec.serving
+    problems: list[Problem] = []
+    if s.launcher == "ray":
+        if s.master_port is not None:
+            problems.append((("serving", "master_port"), "only the native launcher has a master port; set "
+                                                         "serving.launcher: native, or remove master_port"))
+        return problems
+    if "ray" in spec.model_fields_set:
+        problems.append((("ray",), "the native launcher starts no Ray: the ray section has no effect under "
+                                   "serving.launcher: native; remove it (or set serving.launcher: ray)"))
+    if not spec.multi_node:
+        if s.master_port is not None:
+            problems.append((("serving", "master_port"), "one node needs no rendezvous: the master port is for "
+                                                         "native on several nodes; remove it"))
+        return problems
+    ranks, nodes = s.tensor_parallel * s.pipeline_parallel, len(spec.nodes)
+    if ranks % nodes:
+        problems.append((("serving", "tensor_parallel"),
+                         f"the world size tensor_parallel x pipeline_parallel = {ranks} does not divide by the "
+                         f"{nodes} nodes; vLLM's native multi-node runs the same number of ranks on every node"))
+    port = master_port(spec)
+    if port == s.port:  # below 1024 (SSH's 22) the field's own bound refuses it
+        problems.append((("serving", "master_port"), f"{port} collides with serving.port; pick another "
+                                                     "serving.master_port"))
+    return problems
+
+
 _RULES = (_check_secret_refs, _check_nodes, _check_fabric, _check_serving, _check_env, _check_extra_args,
-          _check_earlyoom)
+          _check_earlyoom, _check_launcher)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -344,18 +344,26 @@ def rendered() -> dict[str, tuple[list[str], dict[str, Any]]]:
     from hy3spark.engines.vllm import VllmEngine
     from hy3spark.spec import load_spec
 
-    argvs = {name: VllmEngine(load_spec(REPO / "examples" / name).spec).serve_argv() for name in SPECS}
-    argvs["the default spec"] = VllmEngine(load_spec().spec).serve_argv()
+    # Every command a node runs: the head's, and under the native launcher each other node's --headless one.
+    argvs = {}
+    for name, loaded in [*((n, load_spec(REPO / "examples" / n)) for n in SPECS), ("the default spec", load_spec())]:
+        engine = VllmEngine(loaded.spec)
+        for index, node in enumerate(loaded.spec.nodes):
+            if argv := engine.node_argv(index):
+                argvs[name if index == 0 else f"{name} on {node.name}"] = argv
     outcomes = double(parse=list(argvs.values()))["parsed"]
     return {name: (argv, outcome) for (name, argv), outcome in zip(argvs.items(), outcomes, strict=True)}
 
 
+NATIVE_WORKERS = ["hy3-two-spark-native.yml on spark-b"]
+
+
 def test_the_examples_are_all_checked(rendered: dict[str, tuple[list[str], dict[str, Any]]]) -> None:
-    assert len(SPECS) >= 3
-    assert set(rendered) == {*SPECS, "the default spec"}
+    assert len(SPECS) >= 4
+    assert set(rendered) == {*SPECS, "the default spec", *NATIVE_WORKERS}
 
 
-@pytest.mark.parametrize("spec", [*SPECS, "the default spec"])
+@pytest.mark.parametrize("spec", [*SPECS, "the default spec", *NATIVE_WORKERS])
 def test_the_rendered_serve_command_parses_and_passes_vllms_checks(
     rendered: dict[str, tuple[list[str], dict[str, Any]]], spec: str
 ) -> None:
@@ -369,7 +377,13 @@ def test_the_rendered_serve_command_parses_and_passes_vllms_checks(
     for flag, dest in (("--tensor-parallel-size", "tensor_parallel_size"), ("--max-model-len", "max_model_len")):
         assert namespace[dest] == int(argv[argv.index(flag) + 1])
     assert namespace["gpu_memory_utilization"] == float(argv[argv.index("--gpu-memory-utilization") + 1])
-    assert namespace["distributed_executor_backend"] == "ray"
+    if "--nnodes" in argv:  # the native launcher on several nodes: vLLM's mp executor and its rendezvous
+        assert namespace["distributed_executor_backend"] == "mp"
+        assert (namespace["nnodes"], namespace["master_addr"], namespace["master_port"]) == (2, "10.0.0.1", 29501)
+        assert namespace["node_rank"] == (1 if " on " in spec else 0)
+        assert namespace["headless"] is (" on " in spec)
+    else:
+        assert namespace["distributed_executor_backend"] == "ray"
     assert namespace["tool_call_parser"] in DATA["tool_call_parsers"]
 
 

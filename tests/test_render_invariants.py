@@ -117,6 +117,13 @@ def _variations() -> dict[str, str]:
         "container-env": vary(pair, container={"env": {"NCCL_NET_GDR_LEVEL": "SYS", "TZ": "UTC"}}),
         "single-no-mgmt": vary(single, head={"name": "solo", "fabric_ip": "10.9.0.5/24", "ssh_user": "dgx"}),
         "single-two-gpus": vary(single, head={**single["head"], "gpus": 2}, serving={"tensor_parallel": 2}),
+        "native-pair": vary(pair, serving={"launcher": "native"}),
+        "native-four-sparks-tp2-pp2-port": vary(pair, workers=[*pair["workers"], worker("c", 3), worker("d", 4)],
+                                                serving={"launcher": "native", "tensor_parallel": 2,
+                                                         "pipeline_parallel": 2, "master_port": 29600}),
+        "native-single-two-gpus-pp2": vary(single, head={**single["head"], "gpus": 2},
+                                           serving={"launcher": "native", "tensor_parallel": 1,
+                                                    "pipeline_parallel": 2}),
         "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "HY3SPARK_SOLO_KEY"},
                                earlyoom={"policy": "stop"}),
     }
@@ -531,7 +538,8 @@ def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
     serving = ex.spec["serving"]
     tp, pp = serving["tensor_parallel"], serving.get("pipeline_parallel", 1)
-    assert not any(p.endswith("/serve.sh") for p in r.files if not p.startswith(f"files/{ex.head.name}/"))
+    if ex.ray_launcher:  # Ray places the ranks: only the head runs the engine
+        assert not any(p.endswith("/serve.sh") for p in r.files if not p.startswith(f"files/{ex.head.name}/"))
     argv = serve_argv(r, ex.head.name)
     assert argv[:3] == ["vllm", "serve", ex.spec["model"]["repo"]]
     assert flag_values(argv, "--revision") == [str(ex.spec["model"]["revision"])]
@@ -544,6 +552,24 @@ def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
     assert flag_values(argv, "--host") in ([host], [] if host == DEFAULT_HOST else [host])
     if ex.ray_launcher:
         assert flag_values(argv, "--distributed-executor-backend") == ["ray"], "an image default could pick mp"
+        assert not {"--nnodes", "--node-rank", "--headless", "--master-addr"} & set(argv)
+    else:
+        assert flag_values(argv, "--distributed-executor-backend") == ["mp"], "no Ray under the native launcher"
+        if len(ex.nodes) == 1:
+            assert not {"--nnodes", "--node-rank", "--headless", "--master-addr", "--master-port"} & set(argv)
+        else:
+            # Every node runs the same command; the head is rank 0 and serves, the others are --headless ranks
+            # that meet the head at its fabric address.
+            for rank, node in enumerate(ex.nodes):
+                mine = serve_argv(r, node.name)
+                assert flag_values(mine, "--nnodes") == [str(len(ex.nodes))]
+                assert flag_values(mine, "--node-rank") == [str(rank)]
+                assert flag_values(mine, "--master-addr") == [ex.head.ip]
+                assert flag_values(mine, "--master-port") == [str(ex.get("serving.master_port", 29501))]
+                assert ("--headless" in mine) is (rank > 0)
+                rest = [a for a in mine if a != "--headless"]
+                assert rest[:rest.index("--node-rank")] == argv[:argv.index("--node-rank")]
+            assert tp * pp % len(ex.nodes) == 0, "vLLM runs as many ranks on every node"
     smuggled = [a for a in argv if a.split("=", 1)[0] in SECRET_FLAGS]
     assert not smuggled, f"a secret flag on the engine's command line (visible in ps): {smuggled}"
 
@@ -558,6 +584,21 @@ def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
         assert r.modes[path] == 0o755
 
 
+def check_ray_command(ex: Any, node: Any, command: list[str], ray_port: str) -> None:
+    assert flag_values(command, "--node-ip-address") == [node.ip]
+    assert flag_values(command, "--num-gpus") == [str(node.gpus)]
+    if node.head:
+        assert "--head" in command and flag_values(command, "--port") == [ray_port]
+        assert "--address" not in command
+        dashboard = ex.get("ray.dashboard", "off")
+        assert ("--include-dashboard=false" in command) is (dashboard == "off"), "ShadowRay: dashboard off"
+        if dashboard != "off":
+            assert flag_values(command, "--dashboard-host") == ["127.0.0.1"]
+    else:
+        assert "--head" not in command
+        assert flag_values(command, "--address") == [f"{ex.head.ip}:{ray_port}"]
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_containers_join_the_head_and_take_no_secret(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
@@ -569,20 +610,13 @@ def test_containers_join_the_head_and_take_no_secret(name: str) -> None:
         assert "env" not in container, "env: values show in `docker inspect`; only the non-secret env file"
         assert container["env_file"] == "/etc/hy3spark/node.env"
         assert f"files/{node.name}{container['env_file']}" in r.files
-        assert flag_values(command, "--node-ip-address") == [node.ip]
-        assert flag_values(command, "--num-gpus") == [str(node.gpus)]
-        if node.head:
-            assert "--head" in command and flag_values(command, "--port") == [ray_port]
-            assert "--address" not in command
-            dashboard = ex.get("ray.dashboard", "off")
-            assert ("--include-dashboard=false" in command) is (dashboard == "off"), "ShadowRay: dashboard off"
-            if dashboard != "off":
-                assert flag_values(command, "--dashboard-host") == ["127.0.0.1"]
+        if not ex.ray_launcher:
+            assert command == ["sleep", "infinity"], "the native launcher's container holds the node, runs no Ray"
         else:
-            assert "--head" not in command
-            assert flag_values(command, "--address") == [f"{ex.head.ip}:{ray_port}"]
+            check_ray_command(ex, node, command, ray_port)
 
         run = r.files[f"files/{node.name}/docker-run.sh"]
+
         lines = [line for line in run.splitlines() if line.startswith("docker run ")]
         assert len(lines) == 1
         argv = shlex.split(lines[0])
@@ -610,6 +644,8 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
         want[f"inventory/host_vars/{node.name}.yml"] = 0o644
         for rel, mode in {**per_node, **(head_only if node.head else {})}.items():
             want[f"files/{node.name}/{rel}"] = mode
+        if not ex.ray_launcher:  # the native launcher runs the engine on every node
+            want[f"files/{node.name}/etc/hy3spark/serve.sh"] = 0o755
     assert r.modes == want
     manifest = ".hy3spark-render.json"
     assert json.loads(r.written[manifest])["files"] == sorted(want)

@@ -763,3 +763,73 @@ def test_a_management_address_that_is_another_nodes_ssh_host_is_an_address_clash
     worker = node("spark-b", "10.0.0.2/24", mgmt_ip="192.168.1.10")
     assert only_problem(spec_text(head=head, workers=[worker])).endswith(
         "workers[0].mgmt_ip: '192.168.1.10' is already used by head.ssh_host; each node needs its own address")
+
+
+# --- the launcher (serving.launcher: ray | native) ------------------------------------------------------------------
+def single_text(**serving: Any) -> str:
+    data = copy.deepcopy(BASE)
+    data.pop("workers")
+    data["head"]["gpus"] = 2
+    data["serving"].update(serving)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def test_ray_is_the_default_launcher_and_native_is_a_choice() -> None:
+    assert parse_spec(spec_text(), "c").spec.serving.launcher == "ray"
+    native = parse_spec(spec_text(serving={"launcher": "native"}), "c").spec.serving
+    assert (native.launcher, native.master_port) == ("native", None)
+
+
+def test_an_unknown_launcher_names_the_choices() -> None:
+    assert only_problem(spec_text(serving={"launcher": "mpi"})).endswith(
+        "serving.launcher: 'mpi': Input should be 'ray' or 'native'")
+
+
+def test_native_world_size_must_divide_by_the_nodes() -> None:
+    data = copy.deepcopy(BASE)
+    data["workers"].append({"name": "spark-c", "fabric_ip": "10.0.0.3/24", "ssh_user": "ops", "gpus": 2})
+    data["serving"].update(launcher="native", tensor_parallel=4)
+    text = yaml.safe_dump(data, sort_keys=False)
+    assert only_problem(text).endswith(
+        "serving.tensor_parallel: the world size tensor_parallel x pipeline_parallel = 4 does not divide by the 3 "
+        "nodes; vLLM's native multi-node runs the same number of ranks on every node")
+    # Under Ray the same uneven cluster is fine: Ray places one rank per advertised GPU.
+    data["serving"]["launcher"] = "ray"
+    assert parse_spec(yaml.safe_dump(data, sort_keys=False), "c").spec.gpu_count == 4
+
+
+def test_the_master_port_collides_with_nothing() -> None:
+    assert only_problem(spec_text(serving={"launcher": "native", "master_port": 8888, "port": 8888})).endswith(
+        "serving.master_port: 8888 collides with serving.port; pick another serving.master_port")
+    assert only_problem(spec_text(serving={"launcher": "native", "master_port": 22})).endswith(
+        "serving.master_port: 22: Input should be greater than or equal to 1024")
+
+
+def test_the_master_port_belongs_to_native_on_several_nodes() -> None:
+    assert only_problem(spec_text(serving={"master_port": 29501})).endswith(
+        "serving.master_port: only the native launcher has a master port; set serving.launcher: native, or remove "
+        "master_port")
+    assert only_problem(single_text(launcher="native", master_port=29501)).endswith(
+        "serving.master_port: one node needs no rendezvous: the master port is for native on several nodes; remove "
+        "it")
+
+
+def test_ray_fields_under_native_are_an_error() -> None:
+    found = only_problem(spec_text(serving={"launcher": "native"}, ray={"port": 6379}))
+    assert found.endswith("ray: the native launcher starts no Ray: the ray section has no effect under "
+                          "serving.launcher: native; remove it (or set serving.launcher: ray)")
+
+
+def test_native_frees_the_ray_ports_for_the_api() -> None:
+    assert "collides with a Ray port" in only_problem(spec_text(serving={"port": 6379}))
+    assert parse_spec(spec_text(serving={"launcher": "native", "port": 6379}), "c").spec.serving.port == 6379
+
+
+def test_native_on_one_machine_binds_loopback_unless_told() -> None:
+    alone = parse_spec(single_text(launcher="native", api_key_env=None), "c").spec.serving
+    assert str(alone.host) == "127.0.0.1"
+    told = parse_spec(single_text(launcher="native", host="0.0.0.0"), "c").spec.serving
+    assert str(told.host) == "0.0.0.0"
+    # A pair, or Ray on one node, keeps the default of every address (with its API key).
+    assert str(parse_spec(single_text(), "c").spec.serving.host) == "0.0.0.0"
+    assert str(parse_spec(spec_text(serving={"launcher": "native"}), "c").spec.serving.host) == "0.0.0.0"

@@ -1,8 +1,8 @@
 """Inference engines as data: everything that differs between engines is answered here, once.
 
 An engine turns the spec's serving section (its own union member, spec.VllmServing, ...) into:
-- the launch command on the head (`serve_argv`) and which launcher joins the nodes (`launcher`: ray, mpi or the
-  engine's own multi-node mode);
+- the launch command on the head (`serve_argv`), what each node runs (`node_argv`: nothing on a Ray worker) and which
+  launcher joins the nodes (`launcher`: ray, mpi or the engine's own multi-node mode, `native`);
 - its per-node environment, laid out around the settings every engine shares (`node_env`);
 - the secrets it reads on the head (`secret_env`);
 - how its processes are recognised (`process`) and which log lines say what its KV cache holds (`log_lines`);
@@ -21,10 +21,13 @@ from hy3spark.spec import Node, Spec
 
 class Engine(Protocol):
     name: str
+    launchers: tuple[str, ...]  # the launchers it can run under; the spec chooses one (`launcher`)
     launcher: str
     secret_names: tuple[str, ...]  # every variable secret_env() may name
 
     def serve_argv(self) -> list[str]: ...
+
+    def node_argv(self, index: int) -> list[str]: ...
 
     def secret_env(self) -> dict[str, str]: ...
 

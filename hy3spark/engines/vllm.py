@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hy3spark.spec import Node, Spec
+from hy3spark.spec import Node, Spec, master_port
 
 # vLLM's startup lines that say what the KV cache holds (vllm/v1/core/kv_cache_utils.py); the roles, `status` and
 # the run record read them from the serve log.
@@ -14,11 +14,16 @@ CONCURRENCY_LINE = r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]
 
 class VllmEngine:
     name = "vllm"
-    # vLLM's Ray executor: every node runs a Ray container, the head's `vllm serve` places the ranks on them.
-    launcher = "ray"
+    # serving.launcher: `ray` (vLLM's Ray executor: every node runs a Ray container, the head's `vllm serve` places
+    # the ranks on them) or `native` (vLLM's own executor: `vllm serve` on every node, the others --headless).
+    launchers = ("ray", "native")
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
+
+    @property
+    def launcher(self) -> str:
+        return self.spec.serving.launcher
 
     def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]:
         """The node's env file: VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake),
@@ -50,7 +55,31 @@ class VllmEngine:
         wanted = dict(zip(self.secret_names, (self.spec.serving.api_key_env, self.spec.model.token_env), strict=True))
         return {var: source for var, source in wanted.items() if source}
 
+    def node_argv(self, index: int) -> list[str]:
+        """What node `index` (0: the head) runs: under Ray only the head runs `vllm serve` (an empty list for the
+        others); under the native launcher every node runs it, the others with their --node-rank and --headless."""
+        if index == 0:
+            return self.serve_argv()
+        if self.launcher == "ray":
+            return []
+        argv = self.serve_argv()
+        at = argv.index("--node-rank")
+        return [*argv[:at], "--node-rank", str(index), "--headless", *argv[at + 2:]]
+
+    def _launch_args(self) -> list[str]:
+        """How the ranks are placed, always explicit: an image default can switch the executor and silently ignore
+        the other nodes."""
+        if self.launcher == "ray":
+            return ["--distributed-executor-backend", "ray"]
+        argv = ["--distributed-executor-backend", "mp"]
+        port = master_port(self.spec)
+        if port is not None:
+            argv += ["--nnodes", str(len(self.spec.nodes)), "--node-rank", "0",
+                     "--master-addr", str(self.spec.head.fabric_ip.ip), "--master-port", str(port)]
+        return argv
+
     def serve_argv(self) -> list[str]:
+        """The head's `vllm serve`."""
         s, m = self.spec.serving, self.spec.model
         # The repo id plus a pinned --revision, resolved from the local cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE in the
         # node env): the same string works on every node because model_sync puts the same tree at the same path.
@@ -60,9 +89,9 @@ class VllmEngine:
         argv += ["--port", str(s.port), "--tensor-parallel-size", str(s.tensor_parallel)]
         if s.pipeline_parallel > 1:
             argv += ["--pipeline-parallel-size", str(s.pipeline_parallel)]
-        # Always explicit: an image default can switch the executor to mp and silently ignore the workers.
-        argv += ["--distributed-executor-backend", "ray"]
-        argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs)]
+        argv += self._launch_args()
+        argv += ["--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+                 "--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         if s.kv_cache_dtype != "auto":
             argv += ["--kv-cache-dtype", s.kv_cache_dtype]
         argv += ["--gpu-memory-utilization", f"{s.gpu_memory_utilization:.2f}"]

@@ -33,6 +33,7 @@ OWNED = {
     "pipeline_parallel_size": "serving.pipeline_parallel",
     "max_model_len": "serving.max_model_len",
     "max_num_seqs": "serving.max_num_seqs",
+    "max_num_batched_tokens": "serving.max_num_batched_tokens",
     "kv_cache_dtype": "serving.kv_cache_dtype",
     "gpu_memory_utilization": "serving.gpu_memory_utilization",
     "speculative_config": "serving.speculative_config",
@@ -44,7 +45,8 @@ OWNED = {
 }
 # Options that take a secret: on a command line it shows in `ps`, `docker inspect` and the logs.
 SECRET = {"api_key": "serving.api_key_env", "hf_token": "model.token_env"}
-# Options that decide where and how the ranks run: hy3spark's launcher (Ray, one rank per GPU, TP x PP) owns them.
+# Options that decide where and how the ranks run: hy3spark's launcher (serving.launcher: Ray, or vLLM's own
+# --nnodes/--node-rank/--headless; one rank per GPU, TP x PP) owns them.
 LAUNCHER = {"distributed_executor_backend", "nnodes", "node_rank", "master_addr", "master_port", "headless"}
 # Options that would make vLLM do something other than serve the spec: read more flags from a file hy3spark never
 # sees, or print the help and exit.
