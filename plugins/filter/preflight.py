@@ -6,7 +6,7 @@ cluster. A row is a dict:
 
     node      inventory name, or "controller" for checks that run on the Ansible controller
     check     stable id: interface, address, mtu, ping, ping_mtu, ssh, docker, image_arch, disk, hca, earlyoom,
-              gpu, ray_dashboard, api_key, spec_sha256, reachable
+              gpu, gpu_link, ray_dashboard, api_key, spec_sha256, reachable
     target    the peer or HCA the check is about ("" when the check is about the node itself)
     status    pass | fail | warn | info | skip   (only fail stops the play; skip is never a pass)
     expected  what the spec asks for
@@ -530,6 +530,128 @@ def gpu(probe: Mapping[str, Any], node: str, gpus: int) -> list[Row]:
     return [row(node, "gpu", "fail", expected, found, "check the driver and `nvidia-smi -L`; fix gpus: in the spec")]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# GPU link: each GPU's negotiated PCIe generation and width (current and max) and the GPU-to-GPU topology. The
+# reading is a fact of its own (preflight_gpu_link): the serving role's run record keeps it, and `hy3spark bench`
+# takes it again under load through the same query (the current values drop at idle).
+# ---------------------------------------------------------------------------------------------------------------
+_GPU_LINK_FIELDS = ("memory_total_mib", "pcie_gen_current", "pcie_width_current", "pcie_gen_max", "pcie_width_max")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _smi_number(text: str) -> int | None:
+    """A number nvidia-smi printed, or None for an absent reading: it writes those in brackets ("[N/A]" on GB10's
+    unified memory, "[Not Supported]", "[Unknown Error]")."""
+    text = text.strip()
+    if not text or text.startswith("[") or text.upper() == "N/A":
+        return None
+    m = re.match(r"^(\d+)", text)  # nounits is asked for; a unit left on ("24564 MiB") is dropped
+    return int(m.group(1)) if m else None
+
+
+def parse_gpu_query(text: str) -> list[dict[str, Any]]:
+    """`nvidia-smi --query-gpu=index,name,<_GPU_LINK_FIELDS> --format=csv,noheader,nounits` (the role's
+    __preflight_gpu_link_query, in this order): one GPU per line, ", " between
+    fields. The name is taken as everything between the index and the last five fields (a name may hold a comma)."""
+    gpus = []
+    for line in _text(text).splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 7 or not parts[0].isdigit():
+            continue
+        values = parts[-5:]
+        gpu: dict[str, Any] = {"index": int(parts[0]), "name": ", ".join(parts[1:-5])}
+        gpu.update({k: _smi_number(v) for k, v in zip(_GPU_LINK_FIELDS, values, strict=True)})
+        gpus.append(gpu)
+    return gpus
+
+
+def parse_topo(text: str) -> dict[str, str]:
+    """`nvidia-smi topo -m`: the GPU-to-GPU cells of the matrix, "GPU0-GPU1": "PHB" (each pair once). Columns are
+    tab-separated under a header that starts with a tab; a terminal gets the header underlined (ANSI), dropped here.
+    One GPU (a Spark) gives {}."""
+    header: list[str] = []
+    links: dict[str, str] = {}
+    for raw in _ANSI.sub("", _text(text)).splitlines():
+        cells = [c.strip() for c in raw.split("\t")]
+        if not header:
+            if len(cells) > 1 and not cells[0] and re.fullmatch(r"GPU\d+", cells[1]):
+                header = cells
+            continue
+        if not re.fullmatch(r"GPU\d+", cells[0]):
+            if not raw.strip() or raw.lstrip().startswith("Legend"):
+                break
+            continue
+        for col, value in zip(header[1:], cells[1:], strict=False):
+            if re.fullmatch(r"GPU\d+", col) and col != cells[0] and value and value != "X":
+                pair = "-".join(sorted((cells[0], col), key=lambda g: int(g[3:])))
+                links.setdefault(pair, value)
+    return links
+
+
+def gpu_link_reading(query: Mapping[str, Any], topo: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The fact: {status: read|skipped|failed, reason, gpus: [{index, name, memory_total_mib,
+    pcie_gen_current, pcie_width_current, pcie_gen_max, pcie_width_max}], topo: {"GPU0-GPU1": "PHB"} or None}.
+    An absent reading ([N/A], [Not Supported]) is None, never an error. skipped: no nvidia-smi (test nodes).
+    No timestamp: the run record that keeps the fact must not change when nothing else did."""
+    reading: dict[str, Any] = {"status": "read", "reason": "", "gpus": [], "topo": None}
+    if _missing_command(query):
+        return {**reading, "status": "skipped", "reason": "nvidia-smi not found"}
+    out = _text(query.get("stdout"))
+    if query.get("rc") != 0:
+        return {**reading, "status": "failed",
+                "reason": _first_line(out, query.get("stderr"), query.get("msg")) or "nvidia-smi failed"}
+    reading["gpus"] = parse_gpu_query(out)
+    if topo and topo.get("rc") == 0:
+        reading["topo"] = parse_topo(_text(topo.get("stdout")))
+    return reading
+
+
+def _gen_width(gen: int | None, width: int | None) -> str:
+    return f"gen{gen if gen is not None else '?'} x{width if width is not None else '?'}"
+
+
+def gpu_link_text(gpu: Mapping[str, Any]) -> str:
+    """GPU0 gen4 x16 of gen4 x16; or the absent reading said as such."""
+    values = [gpu.get(k) for k in _GPU_LINK_FIELDS[1:]]
+    if all(v is None for v in values):
+        return f"GPU{gpu.get('index')} no PCIe link reported ([N/A])"
+    return (f"GPU{gpu.get('index')} {_gen_width(values[0], values[1])} of {_gen_width(values[2], values[3])}")
+
+
+def gpu_link(reading: Mapping[str, Any], node: str) -> list[Row]:
+    expected = "each GPU's PCIe link at its full width (the generation drops at idle; bench reads it under load)"
+    status = reading.get("status")
+    if status == "skipped":
+        return [row(node, "gpu_link", "skip", expected, reading.get("reason") or "not read")]
+    if status != "read":
+        return [row(node, "gpu_link", "warn", expected, reading.get("reason") or "nvidia-smi failed",
+                    "nvidia-smi does not answer the PCIe query: see `nvidia-smi -q -d PCI` (an old driver may not "
+                    "know pcie.link.*.max)")]
+    gpus = reading.get("gpus") or []
+    if not gpus:
+        return [row(node, "gpu_link", "warn", expected, "nvidia-smi lists no GPU", "check the driver (nvidia-smi)")]
+    parts = [gpu_link_text(g) for g in gpus]
+    parts += [f"{pair} {kind}" for pair, kind in (reading.get("topo") or {}).items()]
+    found = "; ".join(parts)
+    narrow = [g for g in gpus if None not in (g.get("pcie_width_current"), g.get("pcie_width_max"))
+              and g["pcie_width_current"] < g["pcie_width_max"]]
+    if narrow:
+        which = ", ".join(f"GPU{g['index']} x{g['pcie_width_current']} of x{g['pcie_width_max']}" for g in narrow)
+        return [row(node, "gpu_link", "warn", expected, found,
+                    f"{which}: seat the card in a full-width slot or check the riser and the BIOS lane split; a "
+                    "tensor split runs a collective every layer over this link")]
+    if all(g.get("pcie_width_current") is None and g.get("pcie_gen_current") is None for g in gpus):
+        return [row(node, "gpu_link", "info", expected, found)]
+    return [row(node, "gpu_link", "pass", expected, found)]
+
+
+def gpu_links(hostvars: Mapping[str, Any], node_order: Sequence[str], play_hosts_all: Sequence[str],
+              key: str = "preflight_gpu_link") -> dict[str, Any]:
+    """Every node's reading in spec order (None for a node this run did not read): what the run record keeps."""
+    return {name: (hostvars[name].get(key) if name in play_hosts_all and name in hostvars else None)
+            for name in node_order}
+
+
 def security(cluster: Mapping[str, Any], node: str) -> list[Row]:
     rows: list[Row] = []
     dashboard = cluster["ray"]["dashboard"]
@@ -690,6 +812,9 @@ class FilterModule:
             "preflight_earlyoom": earlyoom,
             "preflight_main_pid": main_pid,
             "preflight_gpu": gpu,
+            "preflight_gpu_link_reading": gpu_link_reading,
+            "preflight_gpu_link": gpu_link,
+            "preflight_gpu_links": gpu_links,
             "preflight_security": security,
             "preflight_spec_sha256": spec_sha256,
             "preflight_collect": collect,

@@ -59,8 +59,21 @@ def test_report_is_one_table_with_every_node(playbook):
                         ("controller", "spec_sha256")]:
         assert re.search(rf"^ +{node} +{re.escape(check)} +PASS ", out, re.M), (node, check)
     assert re.search(r"^ +preflight-head +gpu +SKIP .*nvidia-smi not found", out, re.M)
+    assert re.search(r"^ +preflight-worker +gpu_link +SKIP .*nvidia-smi not found", out, re.M)
     summary = re.search(r"^ +preflight: (\d+) pass, (\d+) fail, (\d+) warn, (\d+) skip, (\d+) info$", out, re.M)
     assert summary and summary.group(2) == "0" and int(summary.group(1)) >= 20, summary
+
+
+def test_gpu_link_tag_reads_only_the_link(playbook):
+    # What `hy3spark bench` runs under load: the link tasks alone, no report table, nothing failed or changed.
+    del playbook  # the full run first: both share the nodes
+    result = run_playbook("--tags", "gpu_link")
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
+    assert "Print the preflight report" not in out and "Ping each peer" not in out
+    assert out.count("TASK [preflight : Report the GPU link readings]") == 1
+    assert len(re.findall(r"status: skipped", out)) == 2 and "reason: nvidia-smi not found" in out
+    assert all(s["changed"] == 0 and s["failed"] == 0 for s in recap(out).values())
 
 
 def test_ssh_files_untouched(host):

@@ -1113,3 +1113,116 @@ def test_earlyoom_long_quoted_value_without_its_closing_quote_on_the_line():
     words = " ".join(f"proc{i}" for i in range(60))
     assert eo.env_file_value(f'"-m 3 --avoid {words}') == f"-m 3 --avoid {words}"
     assert eo.file_args(f'EARLYOOM_ARGS="-m 3 --avoid {words}\n')[-1] == "proc59"
+
+
+# --- gpu_link ------------------------------------------------------------------------------------------------------
+# No real nvidia-smi output of these queries is in ../shared/fixtures: the samples below are HAND-MADE from
+# nvidia-smi's documented formats (--format=csv,noheader,nounits: ", " between fields, absent values in brackets;
+# `topo -m`: a tab-separated matrix under a header that starts with a tab, then the legend).
+QUERY_TWO_CARDS = """\
+0, NVIDIA GeForce RTX 4090, 24564, 1, 16, 4, 16
+1, NVIDIA GeForce RTX 4090, 24564, 4, 8, 4, 16
+"""
+QUERY_GB10 = "0, NVIDIA GB10, [N/A], [N/A], [N/A], [N/A], [N/A]\n"
+QUERY_MIXED = "0, NVIDIA RTX A5000, 24564, [Not Supported], 16, 4, [Not Supported]\n"
+TOPO_TWO_CARDS = (
+    "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+    "GPU0\t X \tPHB\t0-31\t0\t\tN/A\n"
+    "GPU1\tPHB\t X \t0-31\t0\t\tN/A\n"
+    "\n"
+    "Legend:\n"
+    "\n"
+    "  X    = Self\n"
+    "  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)\n"
+    "  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)\n"
+    "  NV#  = Connection traversing a bonded set of # NVLinks\n"
+)
+# A Spark: one GPU and the ConnectX-7 ports as NICs; on a terminal the header is underlined.
+TOPO_SPARK = (
+    "\t\x1b[4mGPU0\tNIC0\tNIC1\tNIC2\tNIC3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tNODE\tNODE\tNODE\tNODE\t0-19\t0\t\tN/A\n"
+    "NIC0\tNODE\t X \tPIX\tNODE\tNODE\t\t\t\t\n"
+    "\n"
+    "Legend:\n\n  X    = Self\n\nNIC Legend:\n\n  NIC0: rocep1s0f0\n"
+)
+
+
+def test_gpu_link_query_parses_every_field_and_the_absent_ones():
+    gpus = pf.parse_gpu_query(QUERY_TWO_CARDS)
+    assert gpus[1] == {"index": 1, "name": "NVIDIA GeForce RTX 4090", "memory_total_mib": 24564,
+                       "pcie_gen_current": 4, "pcie_width_current": 8, "pcie_gen_max": 4, "pcie_width_max": 16}
+    (gb10,) = pf.parse_gpu_query(QUERY_GB10)
+    assert gb10["name"] == "NVIDIA GB10"
+    assert all(gb10[k] is None for k in ("memory_total_mib", "pcie_gen_current", "pcie_width_current",
+                                         "pcie_gen_max", "pcie_width_max"))
+    (mixed,) = pf.parse_gpu_query(QUERY_MIXED)
+    assert (mixed["pcie_gen_current"], mixed["pcie_width_current"], mixed["pcie_width_max"]) == (None, 16, None)
+    # A name with a comma, units left on, and lines that are not GPUs.
+    (odd,) = pf.parse_gpu_query("No devices were found\n3, Card, Rev B, 8192 MiB, 3, 4, 3, 4\n")
+    assert (odd["index"], odd["name"], odd["memory_total_mib"], odd["pcie_width_max"]) == (3, "Card, Rev B", 8192, 4)
+
+
+def test_gpu_link_query_matches_the_roles_field_order():
+    import yaml
+
+    variables = yaml.safe_load((_REPO / "roles" / "preflight" / "vars" / "main.yml").read_text())
+    fields = variables["__preflight_gpu_link_query"].split(",")
+    assert fields[:2] == ["index", "name"]
+    assert [f.replace(".", "_") for f in fields[2:]] == ["memory_total", "pcie_link_gen_current",
+                                                          "pcie_link_width_current", "pcie_link_gen_max",
+                                                          "pcie_link_width_max"]
+    assert len(fields) - 2 == len(pf._GPU_LINK_FIELDS)
+
+
+def test_topo_matrix_gives_each_gpu_pair_once():
+    assert pf.parse_topo(TOPO_TWO_CARDS) == {"GPU0-GPU1": "PHB"}
+    assert pf.parse_topo(TOPO_SPARK) == {}  # one GPU: no pair (NICs are not GPUs)
+    four = ("\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n" + "GPU0\t X \tNV4\tSYS\tSYS\t0-7\n"
+            "GPU1\tNV4\t X \tSYS\tSYS\t0-7\n" + "GPU2\tSYS\tSYS\t X \tNV4\t8-15\n" + "GPU3\tSYS\tSYS\tNV4\t X \t8-15\n")
+    assert pf.parse_topo(four) == {"GPU0-GPU1": "NV4", "GPU0-GPU2": "SYS", "GPU0-GPU3": "SYS", "GPU1-GPU2": "SYS",
+                                   "GPU1-GPU3": "SYS", "GPU2-GPU3": "NV4"}
+    assert pf.parse_topo("") == {}
+
+
+def test_gpu_link_reading_and_row():
+    missing = {"rc": 2, "msg": "Error executing command.", "stdout": "", "stderr": ""}
+    reading = pf.gpu_link_reading(missing, {"skipped": True})
+    assert reading == {"status": "skipped", "reason": "nvidia-smi not found", "gpus": [], "topo": None}
+    r = by(pf.gpu_link(reading, "n"), "gpu_link")
+    assert (r["status"], r["found"]) == ("skip", "nvidia-smi not found")  # never a pass without a GPU
+
+    ok = {"rc": 0, "stdout": QUERY_TWO_CARDS, "start": "2026-03-01 10:00:00.000001"}
+    reading = pf.gpu_link_reading(ok, {"rc": 0, "stdout": TOPO_TWO_CARDS})
+    assert reading["status"] == "read" and "read_at" not in reading  # no timestamp: the run record stays put
+    assert reading["topo"] == {"GPU0-GPU1": "PHB"} and len(reading["gpus"]) == 2
+    r = by(pf.gpu_link(reading, "desk"), "gpu_link")
+    # GPU1 runs x8 in an x16 slot: a warning that says what a tensor split pays for it. GPU0's gen1 is idle.
+    assert r["status"] == "warn"
+    assert r["found"] == "GPU0 gen1 x16 of gen4 x16; GPU1 gen4 x8 of gen4 x16; GPU0-GPU1 PHB"
+    assert r["fix"].startswith("GPU1 x8 of x16: seat the card in a full-width slot")
+
+    full = pf.gpu_link_reading({"rc": 0, "stdout": QUERY_TWO_CARDS.replace("4, 8, 4", "4, 16, 4")},
+                               {"rc": 127, "stdout": ""})
+    assert full["topo"] is None
+    assert by(pf.gpu_link(full, "desk"), "gpu_link")["status"] == "pass"
+
+    gb10 = pf.gpu_link_reading({"rc": 0, "stdout": QUERY_GB10}, {"rc": 0, "stdout": TOPO_SPARK})
+    r = by(pf.gpu_link(gb10, "spark-a"), "gpu_link")
+    assert (r["status"], r["found"]) == ("info", "GPU0 no PCIe link reported ([N/A])")
+
+    unknown = {"rc": 2, "stdout": 'Field "pcie.link.gen.max" is not a valid field to query.\n\n', "stderr": ""}
+    reading = pf.gpu_link_reading(unknown)
+    assert reading["status"] == "failed" and reading["reason"].startswith('Field "pcie.link.gen.max"')
+    r = by(pf.gpu_link(reading, "n"), "gpu_link")
+    assert r["status"] == "warn" and "nvidia-smi -q -d PCI" in r["fix"]
+    none = by(pf.gpu_link(pf.gpu_link_reading({"rc": 0, "stdout": "No devices were found\n"}), "n"), "gpu_link")
+    assert (none["status"], none["found"]) == ("warn", "nvidia-smi lists no GPU")
+
+
+def test_gpu_links_in_spec_order_with_none_for_nodes_not_read():
+    read = {"status": "read", "gpus": [], "topo": None}
+    hostvars = {"spark-b": {"preflight_gpu_link": read}, "spark-a": {}}
+    assert pf.gpu_links(hostvars, ["spark-a", "spark-b", "spark-c"], ["spark-a", "spark-b"]) == {
+        "spark-a": None, "spark-b": read, "spark-c": None}
+    assert {"preflight_gpu_link_reading", "preflight_gpu_link", "preflight_gpu_links"} <= set(
+        pf.FilterModule().filters())
