@@ -24,14 +24,23 @@ every case of vLLM 0.23.0's own vectors (``tests/fixtures/vllm-0.23.0/kv-cases.j
   needs more than it has, quoting that rank's estimated maximum model length (:attr:`Plan.vllm_error`);
 - ``--max-model-len -1`` (auto-fit) starts from the model's own length and takes the longest that fits on every rank;
 - with MTP speculative decoding (``ServeConfig.speculative_method``) and PP > 1, vLLM 0.23 refuses the configuration
-  before any of this (Hy3's MTP drafter does not implement ``SupportsPP``; assumed of every MTP drafter).
+  before any of this (:func:`pipeline_parallel_refusal`);
+- PP stages get their hidden layers as vLLM's ``get_pp_indices`` splits them (:func:`pp_layer_partition`);
+- when one full-length request does not fit, :attr:`Plan.remedy` says what does: the longest max_model_len that fits
+  on every rank, and the smallest gpu_memory_utilization (two decimals) with which every rank holds one request.
+
+Memory per GPU: ``Budget.total_memory_bytes`` is one GPU's total as vLLM sees it (torch's total). A DGX Spark has one
+GB10 per node, whose memory the OS shares (``unified_memory``: free memory is the node's MemAvailable); a desktop's
+discrete cards each have their own (``unified_memory=False``: free memory is each card's, which a display or another
+process on the card lowers; ``free_memory_bytes`` may then be given per rank).
 
 What is approximated, and why:
 
 - ``overhead`` (activation peak + non-torch growth + CUDA-graph estimate) is the one empirical term: vLLM measures it
   by running the model. It comes from a profile default, ``--overhead``, or :func:`calibrate_overhead` on a real log.
-- Weights are split evenly over TP x PP ranks (``weight_bytes / (TP * PP)``) unless ``weights_per_rank_bytes`` says
-  otherwise; with PP the embedding and LM head make the first and last stages heavier than that.
+- Weights: each PP stage holds its hidden layers' share of ``weight_bytes`` (the layers are taken as equal in size),
+  the first stage also ``ModelShape.embedding_bytes`` and the last ``lm_head_bytes`` (both 0 unless given: then the
+  split is even), each divided by TP (vLLM shards the vocabulary too); ``weights_per_rank_bytes`` overrides it.
 - Sliding-window layers are taken as evenly interleaved with full ones (true of gpt-oss, which alternates); vLLM reads
   the real per-layer pattern. It only changes the result under PP, where it decides which stage gets which layers.
 - MTP/draft layers are full-attention layers with the main layers' KV shape, on the last PP stage.
@@ -110,6 +119,11 @@ class ModelShape:
     sliding_window_layers: int = 0
     # The model's own maximum length (max_position_embeddings): where --max-model-len -1 starts from.
     max_context: int | None = None
+    # Parts of weight_bytes outside the hidden layers that PP puts on one stage: the input embedding on the first, the
+    # LM head on the last (vocab_size x hidden_size x dtype bytes each; a tied head is a second copy under PP). 0: the
+    # weights are taken as split evenly over the layers.
+    embedding_bytes: int = 0
+    lm_head_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_hidden_layers", "num_key_value_heads", "head_dim", "dtype_bytes"):
@@ -126,6 +140,13 @@ class ModelShape:
             raise ValueError("ModelShape.sliding_window_layers > 0 needs sliding_window (the window in tokens)")
         if self.max_context is not None and self.max_context < 1:
             raise ValueError(f"ModelShape.max_context must be >= 1, got {self.max_context}")
+        if self.embedding_bytes < 0 or self.lm_head_bytes < 0:
+            raise ValueError("ModelShape.embedding_bytes and lm_head_bytes must be >= 0")
+        if self.embedding_bytes + self.lm_head_bytes > self.weight_bytes:
+            raise ValueError(
+                f"ModelShape.embedding_bytes + lm_head_bytes ({self.embedding_bytes + self.lm_head_bytes}) exceed "
+                f"weight_bytes ({self.weight_bytes})"
+            )
 
 
 @dataclass(frozen=True)
@@ -157,17 +178,22 @@ class ServeConfig:
 
 @dataclass(frozen=True)
 class Budget:
-    """Memory per GPU and where the non-KV part goes. One GPU per rank (a DGX Spark has one)."""
+    """Memory per GPU and where the non-KV part goes. One GPU per rank: a DGX Spark node has one (unified memory), a
+    desktop may have several discrete cards (``unified_memory=False``), each with the same total."""
 
     gpu_memory_utilization: float
+    # One GPU's total as vLLM sees it (torch.cuda.mem_get_info's total): GB10 121.69 GiB; a 24 GB card about 23.7.
     total_memory_bytes: int
     overhead_bytes: int
     # Where overhead_bytes came from, shown next to the plan: "profile default", "calibrated from <log>", "--overhead".
     overhead_source: str
-    # The lowest MemAvailable over the nodes; vLLM refuses to start when free < requested (unified memory: free is
-    # the OS's MemAvailable).
-    free_memory_bytes: int | None = None
+    # Free memory at startup; vLLM refuses to start a rank whose GPU has less free than it requests. One value: the
+    # lowest over the GPUs; a tuple: one per rank, in rank order. Unified memory: the node's MemAvailable; discrete
+    # cards: the card's own free memory (nvidia-smi memory.free), which a display on the card lowers.
+    free_memory_bytes: int | tuple[int, ...] | None = None
     weights_per_rank_bytes: int | None = None
+    # True: the GPU shares the node's memory with the OS (GB10); False: discrete cards with memory of their own.
+    unified_memory: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -215,6 +241,23 @@ class VllmError:
 
 
 @dataclass(frozen=True)
+class Remedy:
+    """What to change so that every rank holds one full-length request, without which vLLM refuses to start."""
+
+    # The rank vLLM names: the first that fails its check (vLLM stops there), in rank order (pp-major).
+    rank: int
+    # Set max_model_len to at most this: the longest that fits on every rank; None when not even one token does.
+    max_model_len: int | None
+    max_model_len_rank: int  # the rank that decides it (the fewest tokens)
+    # Raise gpu_memory_utilization to at least this (two decimals, as vLLM takes it): the smallest with which every
+    # rank fits. None when the plan has no memory budget (planned from a known KV memory) or no value up to 1.0, or up
+    # to what the GPUs have free, is enough (gpu_memory_utilization_needed says how much would be).
+    gpu_memory_utilization: float | None
+    gpu_memory_utilization_rank: int | None  # the rank that needs the most
+    gpu_memory_utilization_needed: float | None = None  # unrounded fraction of total the neediest rank would ask
+
+
+@dataclass(frozen=True)
 class Plan:
     rows: tuple[RankRow, ...]
     groups: tuple[KVGroup, ...]
@@ -229,6 +272,8 @@ class Plan:
     problems: tuple[Problem, ...]
     vllm_error: VllmError | None = None
     auto_fit_from: int | None = None  # with --max-model-len -1: the model's length that auto-fit started from
+    # With concurrency < 1 (vLLM refuses to start): the rank vLLM names and the two knobs, with numbers.
+    remedy: Remedy | None = None
 
     @property
     def kv_cache_size_line(self) -> str:
@@ -275,17 +320,72 @@ def kv_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
     return model_dtype_bytes
 
 
-def _pp_stage_layers(num_hidden_layers: int, pp_size: int) -> list[range]:
-    """Hidden layers of each PP stage, as vLLM's get_pp_indices splits them (no VLLM_PP_LAYER_PARTITION)."""
-    per_stage = [num_hidden_layers // pp_size] * pp_size
-    # vLLM gives the remainder to the stages before the last one: the last also holds the LM head.
+def pp_layer_partition(num_hidden_layers: int, pp_size: int) -> tuple[int, ...]:
+    """Hidden layers per PP stage, as vLLM 0.23's ``vllm.distributed.utils.get_pp_indices`` splits them when
+    VLLM_PP_LAYER_PARTITION is unset: ``num_hidden_layers // pp_size`` each, and the remainder one layer each to the
+    stages before the last, counting back from the second-to-last (the last also holds the LM head). 80 over 3 is
+    (27, 27, 26), 64 over 3 (21, 22, 21), 10 over 4 (2, 3, 3, 2); vLLM logs "Hidden layers were unevenly
+    partitioned: [27,27,26]"."""
+    if not 1 <= pp_size <= num_hidden_layers:
+        raise ValueError(f"pipeline_parallel {pp_size} must be between 1 and the model's {num_hidden_layers} layers")
+    partition = [num_hidden_layers // pp_size] * pp_size
     for i in range(2, num_hidden_layers % pp_size + 2):
-        per_stage[-i] += 1
+        partition[-i] += 1
+    return tuple(partition)
+
+
+def _pp_stage_layers(num_hidden_layers: int, pp_size: int) -> list[range]:
     stages, start = [], 0
-    for count in per_stage:
+    for count in pp_layer_partition(num_hidden_layers, pp_size):
         stages.append(range(start, start + count))
         start += count
     return stages
+
+
+def stage_weight_bytes(shape: ModelShape, serve: ServeConfig) -> tuple[int, ...]:
+    """Weights on each rank of each PP stage (one value per stage): the stage's share of the layer weights (the draft
+    layers count as layers of the last stage), plus the embedding on the first stage and the LM head on the last,
+    divided by TP. With PP 1, or with no embedding/LM head given and an even split: ``weight_bytes // (TP * PP)``."""
+    tp, pp = serve.tensor_parallel, serve.pipeline_parallel
+    partition = list(pp_layer_partition(shape.num_hidden_layers, pp))
+    partition[-1] += shape.mtp_layers
+    layer_bytes = shape.weight_bytes - shape.embedding_bytes - shape.lm_head_bytes
+    layers = shape.num_hidden_layers + shape.mtp_layers
+    stages = []
+    for stage, count in enumerate(partition):
+        on_stage = layer_bytes * count // layers
+        if stage == 0:
+            on_stage += shape.embedding_bytes
+        if stage == pp - 1:
+            on_stage += shape.lm_head_bytes
+        stages.append(on_stage // tp)
+    return tuple(stages)
+
+
+def refuses_pipeline_parallel(speculative_method: str | None) -> bool:
+    """Whether vLLM 0.23 refuses ``--pipeline-parallel-size`` > 1 with this ``--speculative-config`` method.
+
+    The rule (vLLM 0.23.0, ``create_engine_config`` -> ``SpeculativeConfig`` -> the draft model config's
+    ``verify_with_parallel_config``): with PP > 1 a draft model whose architecture does not implement ``SupportsPP``
+    raises ``NotImplementedError: Pipeline parallelism is not supported for this model``, before anything loads.
+    MTP drafters are draft models without it (Hy3's, vector hy3-tp2-pp2-mtp-rejected; DeepSeek's and Qwen3.5's by
+    public reports), so every MTP method (``mtp`` or a ``*_mtp`` name) is refused; ngram/suffix have no draft model,
+    and EAGLE or draft-model methods are not judged here.
+    """
+    return speculative_method is not None and (speculative_method == "mtp" or speculative_method.endswith("_mtp"))
+
+
+def pipeline_parallel_refusal(speculative_method: str | None, pipeline_parallel: int) -> Problem | None:
+    """The error vLLM 0.23 raises for MTP speculative decoding with pipeline_parallel > 1 (see
+    :func:`refuses_pipeline_parallel`), as a Problem with code ``mtp-pp``; None when vLLM accepts the pair."""
+    if pipeline_parallel <= 1 or not refuses_pipeline_parallel(speculative_method):
+        return None
+    return Problem(
+        Severity.ERROR,
+        "mtp-pp",
+        f"vLLM 0.23 refuses MTP speculative decoding with pipeline_parallel {pipeline_parallel} ({MTP_PP_ERROR}); "
+        "use pipeline_parallel 1 and spread the model with tensor_parallel, or drop speculative_config",
+    )
 
 
 def _layer_kinds(shape: ModelShape, hybrid: bool) -> list[str]:
@@ -351,8 +451,8 @@ def _longest_len_within(
     return best
 
 
-def _kv_memory_hint(serve: ServeConfig) -> str:
-    hints = ["raise gpu_memory_utilization (if the nodes have the memory free)"]
+def _kv_memory_hint(serve: ServeConfig, utilization: str | None = None) -> str:
+    hints = [utilization or "raise gpu_memory_utilization (if the nodes have the memory free)"]
     if serve.kv_cache_dtype not in _FP8_KV_DTYPES:
         hints.append("use kv_cache_dtype fp8 (half the bytes per token)")
     hints.append("spread the model over more ranks")
@@ -374,23 +474,40 @@ def _tp_problem(shape: ModelShape, serve: ServeConfig) -> Problem | None:
     )
 
 
-def _startup_problem(budget: Budget, requested: int) -> Problem | None:
+def _free_per_rank(budget: Budget, ranks: int) -> list[int] | None:
     free = budget.free_memory_bytes
-    if free is None or free >= requested:
+    if free is None:
         return None
+    if isinstance(free, int):
+        return [free] * ranks
+    if len(free) != ranks:
+        raise ValueError(f"got {len(free)} free-memory values for {ranks} ranks (TP x PP)")
+    return list(free)
+
+
+def _startup_problem(budget: Budget, requested: int, free: Sequence[int] | None) -> Problem | None:
+    short = [(rank, value) for rank, value in enumerate(free or []) if value < requested]
+    if not short:
+        return None
+    # The GPU with the least free memory decides; vLLM checks each rank's own GPU.
+    rank, least = min(short, key=lambda item: item[1])
     # Largest two-decimal utilization whose ceil(total * util) still fits in the free memory.
-    suggested = math.floor(free / budget.total_memory_bytes * 100) / 100
-    while suggested > 0 and math.ceil(budget.total_memory_bytes * suggested) > free:
+    suggested = math.floor(least / budget.total_memory_bytes * 100) / 100
+    while suggested > 0 and math.ceil(budget.total_memory_bytes * suggested) > least:
         suggested = round(suggested - 0.01, 2)
-    fix = "free memory on the nodes (stop other containers and processes, drop the page cache)"
+    if budget.unified_memory:
+        fix = "free memory on the nodes (stop other containers and processes, drop the page cache)"
+    else:
+        fix = "free memory on the card (a display server or another process on it: nvidia-smi lists them)"
     if suggested > 0:
         fix = f"lower gpu_memory_utilization to {suggested:.2f} (which also shrinks the KV cache) or {fix}"
+    where = "" if isinstance(budget.free_memory_bytes, int) else f" on rank {rank}'s GPU"
     return Problem(
         Severity.ERROR,
         "startup-memory",
-        f"vLLM will refuse to start: free memory {_gib(free)} is less than the {_gib(requested)} it requests "
-        f"(gpu_memory_utilization {budget.gpu_memory_utilization} x {_gib(budget.total_memory_bytes)} total); "
-        f"{fix}",
+        f"vLLM will refuse to start: free memory{where} {_gib(least)} is less than the {_gib(requested)} it "
+        f"requests (gpu_memory_utilization {budget.gpu_memory_utilization} x {_gib(budget.total_memory_bytes)} "
+        f"total); {fix}",
     )
 
 
@@ -411,6 +528,80 @@ def _first_failing_rank(rows: Sequence[RankRow], length: int) -> VllmError | Non
     return None
 
 
+def _least_utilization(total: int, required: int) -> float:
+    """The smallest two-decimal gpu_memory_utilization u with ceil(total * u) >= required (vLLM's requested memory)."""
+    utilization = max(math.ceil(required / total * 100) / 100, 0.01)
+    while utilization > 0.01 and math.ceil(total * round(utilization - 0.01, 2)) >= required:
+        utilization = round(utilization - 0.01, 2)
+    while math.ceil(total * utilization) < required:
+        utilization = round(utilization + 0.01, 2)
+    return utilization
+
+
+def _remedy(
+    rows: Sequence[RankRow],
+    kinds: Sequence[str],
+    length: int,
+    error: VllmError,
+    shape: ModelShape,
+    serve: ServeConfig,
+    free: Sequence[int] | None,
+) -> tuple[Remedy, str | None]:
+    """The longest max_model_len and the smallest gpu_memory_utilization with which every rank holds one request, and
+    the utilization advice as a phrase (None without a budget)."""
+    fits = [_longest_len_within(row.num_blocks, kinds, length, shape, serve) for row in rows]
+    length_rank = min(range(len(rows)), key=lambda rank: fits[rank])
+    utilization = utilization_rank = needed = None
+    phrase = None
+    budgets = [(row.total_bytes, row.weights_bytes, row.overhead_bytes) for row in rows]
+    if all(None not in budget for budget in budgets):
+        # Each rank needs requested >= weights + overhead + the KV memory of one request (vLLM's admission check).
+        required = [
+            (row.kv_needed_bytes + (row.weights_bytes or 0) + (row.overhead_bytes or 0), row.total_bytes or 1)
+            for row in rows
+        ]
+        least = [_least_utilization(total, need) for need, total in required]
+        utilization_rank = max(range(len(rows)), key=lambda rank: least[rank])
+        need, total = required[utilization_rank]
+        needed = need / total
+        utilization = least[utilization_rank]
+        short = [rank for rank in range(len(rows)) if free and math.ceil(required[rank][1] * utilization) > free[rank]]
+        if utilization > 1:
+            phrase = (
+                f"no gpu_memory_utilization is enough (rank {utilization_rank} would need {needed:.2f} of its "
+                f"GPU's {_gib(total)})"
+            )
+            utilization = None
+        elif short and free:
+            asked = math.ceil(required[short[0]][1] * utilization)
+            phrase = (
+                f"gpu_memory_utilization {utilization:.2f} would do it (rank {utilization_rank} needs it), but it "
+                f"requests {_gib(asked)} and rank {short[0]}'s GPU has only {_gib(free[short[0]])} free"
+            )
+            utilization = None
+        else:
+            asked = math.ceil(total * utilization)
+            phrase = (
+                f"raise gpu_memory_utilization to at least {utilization:.2f} (rank {utilization_rank} needs it: "
+                f"{_gib(asked)} of {_gib(total)}, if the GPU has that much free)"
+            )
+    remedy = Remedy(
+        rank=error.rank or 0,
+        max_model_len=fits[length_rank] or None,
+        max_model_len_rank=length_rank,
+        gpu_memory_utilization=utilization,
+        gpu_memory_utilization_rank=utilization_rank,
+        gpu_memory_utilization_needed=needed,
+    )
+    return remedy, phrase
+
+
+def _stage(row: RankRow, serve: ServeConfig) -> str:
+    if serve.pipeline_parallel == 1:
+        return ""
+    return f" (PP stage {row.pp_rank} of {serve.pipeline_parallel}, {row.kv_layers} KV layers)"
+
+
 def _capacity_problems(
     rows: Sequence[RankRow],
     kinds: Sequence[str],
@@ -418,52 +609,51 @@ def _capacity_problems(
     concurrency: float,
     length: int,
     error: VllmError | None,
+    remedy: tuple[Remedy, str | None] | None,
     shape: ModelShape,
     serve: ServeConfig,
 ) -> list[Problem]:
-    if error is not None and error.message == NO_MEMORY_ERROR:
-        row = rows[error.rank or 0]
-        if row.requested_bytes is None:
-            spent = ""
-        else:
-            spent = (
-                f" (requested {_gib(row.requested_bytes)} - weights {_gib(row.weights_bytes or 0)}"
-                f" - overhead {_gib(row.overhead_bytes or 0)})"
-            )
-        return [
-            Problem(
-                Severity.ERROR,
-                "no-kv-memory",
-                f"rank {row.rank} has {_gib(row.kv_available_bytes)} left for the KV cache{spent}, so vLLM will "
-                f"stop with 'No available memory for the cache blocks'; {_kv_memory_hint(serve)}, or use a smaller "
-                "checkpoint",
-            )
-        ]
-    if error is not None:
-        row = rows[error.rank or 0]
+    if error is not None and remedy is not None:
+        fix, utilization = remedy
+        row = rows[fix.rank]
+        hint = _kv_memory_hint(serve, utilization)
+        if error.message == NO_MEMORY_ERROR:
+            if row.requested_bytes is None:
+                spent = ""
+            else:
+                spent = (
+                    f" (requested {_gib(row.requested_bytes)} - weights {_gib(row.weights_bytes or 0)}"
+                    f" - overhead {_gib(row.overhead_bytes or 0)})"
+                )
+            return [
+                Problem(
+                    Severity.ERROR,
+                    "no-kv-memory",
+                    f"rank {row.rank}{_stage(row, serve)} has {_gib(row.kv_available_bytes)} left for the KV "
+                    f"cache{spent}, so vLLM will stop with 'No available memory for the cache blocks'; {hint}, or use "
+                    "a smaller checkpoint",
+                )
+            ]
         # vLLM quotes the first failing rank's estimate; a later rank may fit less, and the length to set is the
         # one that fits on every rank.
-        limiting = min(
-            (r for r in rows if r.estimated_max_model_len is not None), key=lambda r: r.estimated_max_model_len or 0
-        )
-        fits = limiting.estimated_max_model_len
+        fits = fix.max_model_len
         if not fits:
-            estimate = f"not even a one-token request fits on rank {limiting.rank}: "
+            estimate = f"not even a one-token request fits on rank {fix.max_model_len_rank}: "
         elif fits == error.estimated_max_model_len:
             estimate = f"the estimated maximum model length is {fits}: set max_model_len to at most {fits}, or "
         else:
             estimate = (
                 f"the estimated maximum model length is {error.estimated_max_model_len} (vLLM stops at the first "
-                f"rank that fails), but rank {limiting.rank} fits only {fits}: set max_model_len to at most {fits}, "
-                "or "
+                f"rank that fails), but rank {fix.max_model_len_rank} fits only {fits}: set max_model_len to at "
+                f"most {fits}, or "
             )
         return [
             Problem(
                 Severity.ERROR,
                 "max-model-len",
                 f"one {length:,}-token request needs {_gib(row.kv_needed_bytes)} of KV cache on rank {row.rank} but "
-                f"only {_gib(row.kv_available_bytes)} is available, so vLLM will refuse to start (concurrency "
-                f"{concurrency:.2f}x < 1); {estimate}{_kv_memory_hint(serve)}",
+                f"only {_gib(row.kv_available_bytes)} is available{_stage(row, serve)}, so vLLM will refuse to start "
+                f"(concurrency {concurrency:.2f}x < 1); {estimate}{hint}",
             )
         ]
     if concurrency < serve.max_num_seqs:
@@ -488,10 +678,9 @@ def _plan(
     budget_rows: Sequence[tuple[int, ...]] | None,
     overhead_source: str | None,
     early_problems: Sequence[Problem],
+    free: Sequence[int] | None = None,
 ) -> Plan:
     tp, pp = serve.tensor_parallel, serve.pipeline_parallel
-    if shape.num_hidden_layers < pp:
-        raise ValueError(f"pipeline_parallel {pp} exceeds the model's {shape.num_hidden_layers} layers")
     kv_heads = max(1, shape.num_key_value_heads // tp)
     page = serve.block_size * kv_heads * 2 * shape.head_dim * kv_dtype_bytes(serve.kv_cache_dtype, shape.dtype_bytes)
     layer_groups = _kv_cache_groups(_layer_kinds(shape, serve.hybrid_kv_cache_manager))
@@ -544,20 +733,18 @@ def _plan(
     problems = [*early_problems]
     if (tp_problem := _tp_problem(shape, serve)) is not None:
         problems.append(tp_problem)
-    if (serve.speculative_method or "").endswith("mtp") and pp > 1:
+    remedy = None
+    if (refusal := pipeline_parallel_refusal(serve.speculative_method, pp)) is not None:
         # create_engine_config refuses it (the MTP drafter does not implement SupportsPP): no KV check runs.
         vllm_error: VllmError | None = VllmError("NotImplementedError", MTP_PP_ERROR)
-        problems.append(
-            Problem(
-                Severity.ERROR,
-                "mtp-pp",
-                f"vLLM 0.23 refuses MTP speculative decoding with pipeline_parallel {pp} ({MTP_PP_ERROR}); use "
-                "pipeline_parallel 1 and spread the model with tensor_parallel, or drop speculative_config",
-            )
-        )
+        problems.append(refusal)
     else:
         vllm_error = _first_failing_rank(rows, length)
-        problems.extend(_capacity_problems(rows, kinds, num_blocks, concurrency, length, vllm_error, shape, serve))
+        if vllm_error is not None:
+            remedy = _remedy(rows, kinds, length, vllm_error, shape, serve, free)
+        problems.extend(
+            _capacity_problems(rows, kinds, num_blocks, concurrency, length, vllm_error, remedy, shape, serve)
+        )
     return Plan(
         rows=tuple(rows),
         groups=groups,
@@ -572,25 +759,29 @@ def _plan(
         problems=tuple(problems),
         vllm_error=vllm_error,
         auto_fit_from=auto_fit_from,
+        remedy=remedy[0] if remedy else None,
     )
 
 
 def plan(shape: ModelShape, serve: ServeConfig, budget: Budget) -> Plan:
-    """Predict the KV cache from the whole memory budget: total x utilization - weights - overhead, per rank."""
-    ranks = serve.tensor_parallel * serve.pipeline_parallel
+    """Predict the KV cache from the whole memory budget, per rank: total x utilization - the weights of the rank's PP
+    stage (:func:`stage_weight_bytes`, or ``budget.weights_per_rank_bytes``) - overhead."""
+    tp, ranks = serve.tensor_parallel, serve.tensor_parallel * serve.pipeline_parallel
     requested = math.ceil(budget.total_memory_bytes * budget.gpu_memory_utilization)
-    weights = budget.weights_per_rank_bytes
-    if weights is None:
-        weights = shape.weight_bytes // ranks
-    available = requested - weights - budget.overhead_bytes
-    early = [problem] if (problem := _startup_problem(budget, requested)) else []
+    if budget.weights_per_rank_bytes is None:
+        weights = [stage_weight_bytes(shape, serve)[rank // tp] for rank in range(ranks)]
+    else:
+        weights = [budget.weights_per_rank_bytes] * ranks
+    free = _free_per_rank(budget, ranks)
+    early = [problem] if (problem := _startup_problem(budget, requested, free)) else []
     return _plan(
         shape,
         serve,
-        [available] * ranks,
-        [(budget.total_memory_bytes, requested, weights, budget.overhead_bytes)] * ranks,
+        [requested - weight - budget.overhead_bytes for weight in weights],
+        [(budget.total_memory_bytes, requested, weight, budget.overhead_bytes) for weight in weights],
         budget.overhead_source,
         early,
+        free,
     )
 
 

@@ -290,6 +290,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from hy3spark import planning
@@ -305,12 +306,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "overhead_bytes": overhead.bytes,
             "overhead_source": overhead.source,
             "ranks": [{"rank": r.rank, "node": nodes[r.rank] if r.rank < len(nodes) else None,
+                       "pp_rank": r.pp_rank, "tp_rank": r.tp_rank, "kv_layers": r.kv_layers,
                        "total_bytes": r.total_bytes, "requested_bytes": r.requested_bytes,
                        "weights_bytes": r.weights_bytes, "overhead_bytes": r.overhead_bytes,
-                       "kv_available_bytes": r.kv_available_bytes, "num_blocks": r.num_blocks} for r in plan.rows],
+                       "kv_available_bytes": r.kv_available_bytes, "num_blocks": r.num_blocks,
+                       "kv_needed_bytes": r.kv_needed_bytes} for r in plan.rows],
             "kv_cache_tokens": plan.kv_cache_tokens,
             "max_concurrency": round(plan.max_concurrency, 2),
             "lines": [plan.kv_cache_size_line, plan.max_concurrency_line],
+            "vllm_error": dataclasses.asdict(plan.vllm_error) if plan.vllm_error else None,
+            "remedy": dataclasses.asdict(plan.remedy) if plan.remedy else None,
             "problems": [{"severity": str(p.severity), "code": p.code, "message": p.message} for p in plan.problems],
         }
         print(json.dumps(data, indent=2))
@@ -321,8 +326,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{loaded.spec.model.repo}, KV dtype {s.kv_cache_dtype}, max_model_len {s.max_model_len:,}, "
           f"max_num_seqs {s.max_num_seqs}")
     print(f"overhead: {overhead.bytes / gib:.2f} GiB per rank ({overhead.source})")
+    # With pipeline parallel each stage has its own layers, weights and blocks: show the stage and its KV layers.
+    staged = s.pipeline_parallel > 1
     header = f"{'rank':>4}  {'node':<16} {'total':>8} {'requested':>10} {'weights':>8} {'overhead':>9} " \
-             f"{'KV memory':>10} {'blocks':>8}"
+             f"{'KV memory':>10} {'blocks':>8}" + (f" {'stage':>5} {'layers':>6}" if staged else "")
     print(header + "   (GiB)")
 
     def g(v: int | None) -> str:
@@ -331,7 +338,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in plan.rows:
         node = nodes[r.rank] if r.rank < len(nodes) else "?"
         print(f"{r.rank:>4}  {node:<16} {g(r.total_bytes):>8} {g(r.requested_bytes):>10} {g(r.weights_bytes):>8} "
-              f"{g(r.overhead_bytes):>9} {g(r.kv_available_bytes):>10} {r.num_blocks:>8}")
+              f"{g(r.overhead_bytes):>9} {g(r.kv_available_bytes):>10} {r.num_blocks:>8}"
+              + (f" {r.pp_rank:>5} {r.kv_layers:>6}" if staged else ""))
     print("predicted vLLM startup lines:")
     print(f"  {plan.kv_cache_size_line}")
     print(f"  {plan.max_concurrency_line}")

@@ -101,3 +101,47 @@ def test_calibrate_from_an_info_log_takes_requested_memory_from_the_spec(cli, tm
     assert result.code == 0
     # 117,597,278,306 B - 84.29 GiB - 22.21 GiB = 3.02 GiB on the worker, the larger of the two.
     assert f"overhead: 3.02 GiB per rank (calibrated from {log})" in result.out
+
+
+def _pp_spec(tmp_path: Path, serving: str) -> str:
+    spec = tmp_path / "pp.yml"
+    spec.write_text((Path(__file__).parent.parent / "hy3spark/default-cluster.yml").read_text()
+                    + "serving:\n  tensor_parallel: 1\n  pipeline_parallel: 2\n  speculative_config: null\n" + serving)
+    return str(spec)
+
+
+def test_pipeline_parallel_shows_each_stage_and_its_layers(cli, tmp_path: Path) -> None:
+    """Hy3 over PP2 without MTP: 40 layers a stage, 181 GB / 2 per stage, 8 KV heads per rank (fp8: 32 KiB a page)."""
+    result = cli("plan", _pp_spec(tmp_path, ""))
+    assert result.code == 0
+    assert "KV memory   blocks stage layers   (GiB)" in result.out
+    rows = [line for line in result.out.splitlines() if line.startswith(("   0  ", "   1  "))]
+    assert rows == ["   0  spark-a            121.69     109.52    84.28      3.00      22.24    18215     0     40",
+                    "   1  spark-b            121.69     109.52    84.28      3.00      22.24    18215     1     40"]
+
+
+def test_pipeline_parallel_with_mtp_is_refused(cli, tmp_path: Path) -> None:
+    spec = tmp_path / "mtp.yml"
+    spec.write_text((Path(__file__).parent.parent / "hy3spark/default-cluster.yml").read_text()
+                    + "serving:\n  tensor_parallel: 1\n  pipeline_parallel: 2\n")
+    result = cli("plan", str(spec), "--json")
+    assert result.code == 1
+    data = json.loads(result.out)
+    assert [p["code"] for p in data["problems"]] == ["mtp-pp"]
+    assert data["vllm_error"]["type"] == "NotImplementedError" and data["remedy"] is None
+
+
+def test_json_names_the_failing_rank_and_the_knobs(cli, tmp_path: Path) -> None:
+    """262,144 tokens over PP2 at 0.90 with 10 GiB of overhead: 15.24 GiB of KV a stage, 20.00 GiB needed (40 layers
+    x 8 KV heads x 256 x 1 B a token): 199,696 tokens fit; 109.52 + 4.76 GiB is 0.939 of 121.69, so 0.94."""
+    result = cli("plan", _pp_spec(tmp_path, "  max_model_len: 262144\n  overhead_gib: 10\n"), "--json")
+    assert result.code == 1
+    data = json.loads(result.out)
+    assert [(r["pp_rank"], r["kv_layers"]) for r in data["ranks"]] == [(0, 40), (1, 40)]
+    assert data["vllm_error"]["rank"] == 0 and data["vllm_error"]["type"] == "ValueError"
+    remedy = data["remedy"]
+    assert remedy["rank"] == 0 and remedy["max_model_len"] == data["vllm_error"]["estimated_max_model_len"]
+    assert (remedy["max_model_len"], remedy["gpu_memory_utilization"]) == (199_696, 0.94)
+    (problem,) = data["problems"]
+    assert "(PP stage 0 of 2, 40 KV layers)" in problem["message"]
+    assert "set max_model_len to at most 199696, or raise gpu_memory_utilization to at least 0.94" in problem["message"]
