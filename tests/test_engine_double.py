@@ -407,7 +407,7 @@ def _model_dir(cache: Path, preset: str) -> Path:
 def start_double(
     double_src: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> Any:
-    """The double's real engine startup (config checks, workers, memory, KV lookup), in this process: the `uni`/`mp`
+    """The double's real engine startup (config checks, workers, memory, KV lookup), in this process: the `uni`
     executors run the workers here instead of on Ray. Returns (log, vector) or raises what the engine raised."""
     from vllm.double import args as cli_args
     from vllm.double import kv, serve
@@ -429,7 +429,7 @@ def start_double(
         config = kv.engine_config(model.config, parsed, max_len)
         kv.check_config(config)
         try:
-            _executor, vector = serve.start_engine(parsed, model, max_len, "uni" if world == 1 else "mp", config)
+            _executor, vector = serve.start_engine(parsed, model, max_len, "uni", config)
         finally:
             log = capsys.readouterr().out
         return log, vector

@@ -396,6 +396,14 @@ REJECTED = {
         "vllm: error: unrecognized arguments: --disable-log-requests",
     ),
     "--swap-space (removed)": (["--swap-space=4"], "vllm: error: unrecognized arguments: --swap-space=4"),
+    "--swap-space with a separate value": (
+        ["--swap-space", "4"],
+        "vllm: error: unrecognized arguments: --swap-space 4",
+    ),
+    "--no-disable-log-stats (only --disable-log-stats exists)": (
+        ["--no-disable-log-stats"],
+        "vllm: error: unrecognized arguments: --no-disable-log-stats",
+    ),
     "a bad int": (["--port", "abc"], "vllm serve: error: argument --port: invalid int value: 'abc'"),
     "a bad int for an aliased option": (
         ["-tp", "two"],
@@ -500,6 +508,16 @@ ACCEPTED = {
         [],
     ),
     "--hf-token without a value": (["--hf-token"], {"hf_token": True}, []),
+    "unique prefixes of long flags (argparse's allow_abbrev, as vLLM)": (
+        ["--enforce-eag", "--gpu-memory-util", "0.5"],
+        {"enforce_eager": True, "gpu_memory_utilization": 0.5},
+        [],
+    ),
+    "the native launcher's flags and their aliases": (
+        ["-n", "2", "-r", "1", "--headless", "--master-addr", "10.0.0.1", "--master-port", "29600"],
+        {"nnodes": 2, "node_rank": 1, "headless": True, "master_addr": "10.0.0.1", "master_port": 29600},
+        [],
+    ),
     "the hybrid KV cache manager switch reaches the namespace": (
         ["--disable-hybrid-kv-cache-manager"],
         {"disable_hybrid_kv_cache_manager": True},

@@ -28,6 +28,7 @@ from vllm import __version__
 from vllm.double import kv, log
 from vllm.double.executor import RayExecutor
 from vllm.double.model import Model, resolve
+from vllm.double.native import Layout, NativeExecutor, distributed_timeout, headless_banner
 from vllm.double.server import ServerState, make_server
 from vllm.double.worker import RayWorkerWrapper
 
@@ -44,12 +45,12 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
-def fail(exc: BaseException) -> int:
+def fail(exc: BaseException, tag: str | None = log.API) -> int:
     """An uncaught exception in the API server process: Python's traceback, tagged, on stderr; exit 1."""
     import traceback
 
     text = "".join(traceback.format_exception(exc))
-    prefix = f"({log.API} pid={os.getpid()}) "
+    prefix = f"({tag} pid={os.getpid()}) " if tag else ""
     sys.stdout.flush()
     sys.stderr.write("".join(prefix + line + "\n" for line in text.rstrip("\n").split("\n")))
     sys.stderr.flush()
@@ -119,13 +120,28 @@ def model_checks(args: argparse.Namespace, model: Model) -> int:
     return int(max_len)
 
 
+def check_layout(args: argparse.Namespace, world_size: int) -> None:
+    """EngineArgs.create_engine_config's checks of --nnodes/--node-rank (vllm/engine/arg_utils.py)."""
+    if args.nnodes > 1:
+        assert world_size % args.nnodes == 0, f"world_size={world_size} must be divisible by nnodes={args.nnodes}."
+        assert args.node_rank < args.nnodes, f"node_rank={args.node_rank} must be less than nnodes={args.nnodes}."
+
+
 def executor_backend(args: argparse.Namespace, world_size: int) -> str:
-    """ParallelConfig.__post_init__: mp by default when the world fits this node; an error when it does not."""
+    """ParallelConfig.__post_init__: mp by default when the world fits this node (or --nnodes > 1); an error when it
+    does not."""
     backend = args.distributed_executor_backend
+    if args.nnodes > 1:
+        if backend not in (None, "mp", "uni", "external_launcher"):
+            raise ValueError(
+                "1 validation error for ParallelConfig\n  Value error, nnodes > 1 can only be set when distributed "
+                "executor backend is mp, uni or external_launcher. [type=value_error, input_type=ArgsKwargs]"
+            )
+        backend = backend or "mp"
     if backend is None:
         backend = "uni" if world_size == 1 else "mp"
     local_gpus = int(_env_float("VLLM_DOUBLE_LOCAL_GPUS", 1))
-    if backend in ("mp", "uni") and world_size > local_gpus:
+    if backend in ("mp", "uni") and args.nnodes == 1 and world_size > local_gpus:
         raise ValueError(
             "1 validation error for ParallelConfig\n"
             f"  Value error, World size ({world_size}) is larger than the number of available GPUs ({local_gpus}) "
@@ -139,7 +155,7 @@ def executor_backend(args: argparse.Namespace, world_size: int) -> str:
 
 
 class LocalExecutor:
-    """The uni/mp executors on one node (world size <= local GPUs): the worker runs in this process."""
+    """The uni executor: every rank runs in this process (also what the in-process tests start)."""
 
     def __init__(self, world_size: int) -> None:
         self.workers = [RayWorkerWrapper(rank) for rank in range(world_size)]
@@ -209,23 +225,28 @@ def start_engine(
         f"seed={args.seed}, served_model_name={served[0]}, enable_prefix_caching={args.enable_prefix_caching}",
         E,
     )
-    if backend == "ray":
-        executor: Any = RayExecutor(world, tp)
-        executor.initialize_cluster()
-        executor.init_workers()
-    else:
-        executor = LocalExecutor(world)
-        executor.call("init_worker", [{"local_rank": r, "world_size": world, "tp": tp} for r in range(world)])
-    executor.call("init_device", args.gpu_memory_utilization)
-    load_started = time.monotonic()
-    executor.call("load_model", model.tag, args.revision, _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0))
     memory = kv.Memory(
         gpu_memory_utilization=args.gpu_memory_utilization,
         weights_per_rank=model.weight_bytes() // world,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enforce_eager=bool(args.enforce_eager),
     )
-    executor.call("log_model_loading", memory.weights_per_rank, time.monotonic() - load_started)
+    if backend == "mp":
+        if args.node_rank > 0:  # a follower node without --headless: vLLM's engine core calls its executor anyway
+            raise AssertionError("collective_rpc should not be called on follower node")
+        executor: Any = NativeExecutor(native_layout(args, world), native_job(args, model, memory))
+    else:
+        if backend == "ray":
+            executor = RayExecutor(world, tp)
+            executor.initialize_cluster()
+            executor.init_workers()
+        else:
+            executor = LocalExecutor(world)
+            executor.call("init_worker", [{"local_rank": r, "world_size": world, "tp": tp} for r in range(world)])
+        executor.call("init_device", args.gpu_memory_utilization)
+        load_started = time.monotonic()
+        executor.call("load_model", model.tag, args.revision, _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0))
+        executor.call("log_model_loading", memory.weights_per_rank, time.monotonic() - load_started)
     available = executor.call("determine_available_memory", memory)
     vector = kv.lookup(config, available)
     kv_cache_report(vector)
@@ -236,6 +257,107 @@ def start_engine(
         E,
     )
     return executor, vector
+
+
+def native_layout(args: argparse.Namespace, world: int) -> Layout:
+    return Layout(
+        world_size=world,
+        tp=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        timeout=distributed_timeout(args),
+    )
+
+
+def native_job(args: argparse.Namespace, model: Model, memory: kv.Memory) -> dict[str, Any]:
+    return {
+        "model_tag": model.tag,
+        "revision": args.revision,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "weights_per_rank": memory.weights_per_rank,
+        "load_delay_s": _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0),
+    }
+
+
+def check_reasoning_parser(args: argparse.Namespace, model: Model) -> None:
+    """VllmConfig.__post_init__ -> ReasoningConfig.initialize_token_ids builds the --reasoning-parser once with the
+    model's tokenizer: a parser that cannot find its tokens fails the startup (vllm/config/reasoning.py)."""
+    if not args.reasoning_parser:
+        return
+    from vllm.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(args.reasoning_parser)
+    if parser is not None:  # a name vLLM registers that the double has no parser for
+        parser(model.tokenizer)
+
+
+def engine_config(args: argparse.Namespace, tag: str | None) -> tuple[Model, int, str, dict[str, Any]]:
+    """What EngineArgs.create_engine_config does before an engine starts: model config, parallel config (layout
+    and executor), the scheduler's batch size, the reasoning parser."""
+    validate_serve_args(args)
+    model = resolve(args.model_tag, args.revision)
+    log.info("model.py:547", f"Resolved architecture: {model.architecture}", tag)
+    max_len = model_checks(args, model)
+    log.info("model.py:1510", f"Using max model len {max_len}", tag)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    check_layout(args, world)
+    backend = executor_backend(args, world)
+    kv_config = kv.engine_config(model.config, args, max_len)
+    kv.check_config(kv_config)
+    log.info("scheduler.py:231", f"Chunked prefill is enabled with max_num_batched_tokens="
+             f"{kv_config['max_num_batched_tokens']}.", tag)  # fmt: skip
+    if args.enforce_eager:
+        log.info("vllm.py:590", "Cudagraph is disabled under eager mode", tag)
+    check_reasoning_parser(args, model)
+    return model, max_len, backend, kv_config
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """`vllm serve ... --headless`: no API server, no port; this node's share of the ranks
+    (vllm/entrypoints/cli/serve.py run_headless, the node_rank_within_dp > 0 branch). Returns when a local rank
+    dies (exit 0, as vLLM) or on SIGTERM/SIGINT."""
+    if args.api_server_count is not None and args.api_server_count > 0:
+        return fail(ValueError(
+            f"--api-server-count={args.api_server_count} cannot be used with --headless (no API servers are started "
+            "in headless mode)."
+        ), None)  # fmt: skip
+    log.warning("double.py:1", "hy3spark TEST DOUBLE of vLLM: no GPU is used and no weights are loaded. Not for "
+                "production.", None)  # fmt: skip
+    args.model_tag = args.model_tag or "Qwen/Qwen3-0.6B"
+    try:
+        model, _max_len, backend, _kv_config = engine_config(args, None)
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        if backend != "mp" or args.node_rank == 0:
+            raise ValueError(
+                "hy3spark TEST DOUBLE: --headless is doubled only for the multi-node mp executor's other nodes "
+                "(--nnodes N --node-rank K with K > 0), not vLLM's headless data-parallel engines"
+            )
+        layout = native_layout(args, world)
+        headless_banner(layout)
+        memory = kv.Memory(
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            weights_per_rank=model.weight_bytes() // world,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            enforce_eager=bool(args.enforce_eager),
+        )
+        executor = NativeExecutor(layout, native_job(args, model, memory))
+    except Exception as exc:
+        return fail(exc, None)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        executor.start_monitor(inline=True)
+    except SystemExit:
+        pass
+    finally:
+        executor.shutdown()
+    return 0
 
 
 def engine_failed(exc: BaseException) -> int:
@@ -282,20 +404,8 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
     log.info("utils.py:253", f"non-default args: {non_default}")
     args.model_tag = args.model_tag or "Qwen/Qwen3-0.6B"
     try:
-        validate_serve_args(args)
-        model = resolve(args.model_tag, args.revision)
-        log.info("model.py:547", f"Resolved architecture: {model.architecture}")
-        max_len = model_checks(args, model)
-        log.info("model.py:1510", f"Using max model len {max_len}")
-        world = args.tensor_parallel_size * args.pipeline_parallel_size
-        backend = executor_backend(args, world)
+        model, max_len, backend, kv_config = engine_config(args, log.API)
         max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        kv_config = kv.engine_config(model.config, args, max_len)
-        kv.check_config(kv_config)
-        batched = kv_config["max_num_batched_tokens"]
-        log.info("scheduler.py:231", f"Chunked prefill is enabled with max_num_batched_tokens={batched}.")
-        if args.enforce_eager:
-            log.info("vllm.py:590", "Cudagraph is disabled under eager mode")
         api_keys = list(args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else []))
         host = args.host or "0.0.0.0"
         server = make_server(
@@ -331,6 +441,8 @@ def run_serve(args: argparse.Namespace, non_default: dict[str, Any]) -> int:
     except Exception as exc:
         server.server_close()
         return engine_failed(exc)
+    if isinstance(executor, NativeExecutor):
+        executor.start_monitor()
     state.workers = executor.reports
     state.max_model_len = vector.max_model_len or max_len  # --max-model-len -1: what vLLM's auto-fit chose
 

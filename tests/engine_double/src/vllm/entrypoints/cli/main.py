@@ -24,8 +24,10 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    from vllm.double.serve import run_serve
+    from vllm.double.serve import run_headless, run_serve
 
+    if args.headless:  # no API server on this node (vllm/entrypoints/cli/serve.py)
+        sys.exit(run_headless(args))
     sys.exit(run_serve(args, cli_args.non_default(args, parser)))
 
 
