@@ -192,9 +192,11 @@ def _rendezvous(job: WorkerJob, rank: int) -> tuple[socket.socket, Lines]:
     return sock, lines
 
 
-def worker_main(job: WorkerJob, ready_pipe: Any, death_pipe: Any) -> None:
+def worker_main(job: WorkerJob, ready_pipe: Any, death_pipe: Any, inherited: list[Any]) -> None:
     layout = job.layout
     rank = layout.global_rank(job.local_rank)
+    for conn in inherited:  # the parent's pipe ends, copied by fork: a death pipe reads EOF only once all are closed
+        conn.close()
 
     def parent_gone() -> None:
         with contextlib.suppress(EOFError):
@@ -380,6 +382,7 @@ class NativeExecutor:
                 E,
             )
         context = multiprocessing.get_context("fork")
+        inherited: list[Any] = []  # the parent's pipe ends every later fork copies (vLLM's inherited_fds)
         for local_rank in range(layout.local_world_size):
             rank = layout.global_rank(local_rank)
             ready_reader, ready_writer = context.Pipe(duplex=False)
@@ -387,13 +390,14 @@ class NativeExecutor:
             proc = context.Process(
                 target=worker_main,
                 kwargs={"job": WorkerJob(layout=layout, local_rank=local_rank, **job), "ready_pipe": ready_writer,
-                        "death_pipe": death_reader},
+                        "death_pipe": death_reader, "inherited": [*inherited, ready_reader, death_writer]},
                 name=f"VllmWorker-{rank}",
                 daemon=True,
             )
             proc.start()
             ready_writer.close()
             death_reader.close()
+            inherited += [ready_reader, death_writer]
             self.locals.append(_Local(rank, proc, ready_reader, death_writer))
         try:
             self._wait_for_ready()
