@@ -589,7 +589,7 @@ TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type":
 
 
 @contextmanager
-def serving_suffixed_model(port: str) -> Iterator[str]:
+def serving_suffixed_model(port: str, reasoning: bool = True) -> Iterator[str]:
     """Hy3's released tokenizer (<think:opensource> ...) served on one node (TP 1, no Ray) with the hy_v3 parsers.
 
     The model has gpt-oss-120b's shape (vLLM recorded no one-GPU Hy3 case): 30 GiB of KV cache, max_model_len 100003
@@ -597,7 +597,8 @@ def serving_suffixed_model(port: str) -> Iterator[str]:
     log = f"/tmp/suffixed-{port}.log"
     command = (
         f"exec vllm serve {HY3_SUFFIXED} --served-model-name hy3 --port {port} --max-model-len 100003 "
-        "--max-num-batched-tokens 8192 --kv-cache-memory-bytes 30G --reasoning-parser hy_v3 --tool-call-parser hy_v3 "
+        "--max-num-batched-tokens 8192 --kv-cache-memory-bytes 30G "
+        f"{'--reasoning-parser hy_v3 ' if reasoning else ''}--tool-call-parser hy_v3 "
         f"--enable-auto-tool-choice --trust-remote-code > {log} 2>&1"
     )
     docker("exec", "-d", HEAD, "sh", "-c", command)
@@ -613,8 +614,9 @@ def chat(url: str, **extra: Any) -> tuple[int, Any]:
     return post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
 
 
-def test_unpatched_hy_v3_parsers_fail_chat_with_the_opensource_tokenizer(cluster: Cluster) -> None:
-    """vLLM 0.23's bare-token parsers, at vLLM's paths, cannot find Hy3's tokens: chat fails, completions work."""
+def test_unpatched_hy_v3_parsers_fail_with_the_opensource_tokenizer(cluster: Cluster) -> None:
+    """vLLM 0.23's bare-token parsers, at vLLM's paths, cannot find Hy3's tokens: the reasoning parser fails the
+    startup (vLLM builds it while configuring the engine), the tool parser each chat request with tools."""
     for path in (TOOL_PARSER, REASONING_PARSER):
         source = docker("exec", HEAD, "cat", path).stdout
         assert "token_suffix" not in source
@@ -622,11 +624,17 @@ def test_unpatched_hy_v3_parsers_fail_chat_with_the_opensource_tokenizer(cluster
         '        self.tool_calls_start_token: str = "<tool_calls>"\n' in docker("exec", HEAD, "cat", TOOL_PARSER).stdout
     )
     assert '        return "<think>"\n' in docker("exec", HEAD, "cat", REASONING_PARSER).stdout
-    with serving_suffixed_model("8899") as url:
-        status, body = chat(url)
+    started = docker("exec", HEAD, "vllm", "serve", HY3_SUFFIXED, "--port", "8897", "--reasoning-parser", "hy_v3",
+                     "--trust-remote-code", check=False)  # fmt: skip
+    assert started.returncode == 1
+    assert started.stderr.rstrip().endswith(
+        "RuntimeError: HYV3ReasoningParser reasoning parser could not locate think start/end tokens in the tokenizer!"
+    )
+    with serving_suffixed_model("8899", reasoning=False) as url:
+        status, body = chat(url, tools=TOOLS)
         assert status == 400
         assert body["error"]["message"] == (
-            "HYV3ReasoningParser reasoning parser could not locate think start/end tokens in the tokenizer!"
+            "HYV3 Tool parser could not locate tool call start/end tokens in the tokenizer!"
         )
         status, body = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
         assert status == 200 and body["choices"][0]["text"].startswith(" hy3spark")
