@@ -11,7 +11,8 @@ serving takes the engine down (health 503, then exit 1), as a dead Ray worker do
 Environment knobs (all optional; VLLM_* names are copied to the Ray workers like vLLM's own):
 ``VLLM_DOUBLE_PG_TIMEOUT_S`` (placement group wait, default 20), ``VLLM_DOUBLE_LOAD_DELAY_S`` (pretend weight
 loading, default 0), ``VLLM_DOUBLE_HEALTH_INTERVAL_S`` (worker liveness check, default 5), ``VLLM_DOUBLE_LOCAL_GPUS``
-(GPUs on this node for the mp/uni executors, default 1), plus the fake GPU (kv.py) and the delays (server.py).
+(GPUs on this node for the mp/uni executors, default 1), ``VLLM_DOUBLE_DISTRIBUTED_TIMEOUT_S`` (the native
+launcher's rendezvous wait, default 600; native.py), plus the fake GPU (kv.py) and the delays (server.py).
 """
 
 from __future__ import annotations
