@@ -13,6 +13,12 @@ Two tools:
 Synthetic prompts need a tokenizer to cut them to length. With no --processor, a small byte-level BPE tokenizer is
 trained offline once (on guidellm's own Faker text) and kept in the bench venv, so no hub is ever asked; the token
 counts in the numbers come from the server's usage reports, not from it.
+
+Beside the numbers each run keeps what explains them: the split (TP x PP, launcher), the KV lines of the last `up`
+(its run record), and each GPU's PCIe link read on the nodes WHILE the load runs (roles/preflight's gpu_link tasks,
+`playbooks/preflight.yml --tags gpu_link`, repeated until the load ends; the last reading that finished before the
+load ended counts), because the current generation drops at idle. When the nodes cannot be asked, the idle readings
+of the last `up`'s run record stand in, and the line says so. `hy3spark labbook --compare` shows runs side by side.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +119,12 @@ class BenchResult:
     levels: list[Level]
     report: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # {tensor_parallel, pipeline_parallel, launcher, nodes}
+    split: dict[str, Any] = field(default_factory=dict)
+    # {source, under_load, nodes: {node: preflight_gpu_link reading or None}, note}; None: not read (--link off)
+    link: dict[str, Any] | None = None
+    # {source, lines, kv_cache_tokens, max_concurrency}; None: no run record of this cluster
+    kv: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -341,9 +356,153 @@ def run_vllm(endpoint: Endpoint, settings: Settings, out_dir: Path, container: s
     return levels, f"vllm bench serve {version}", report
 
 
+# --- what explains the numbers: the split, the KV lines, the GPU links under load ----------------------------------
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_MAX_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+LINK_MODES = ("nodes", "record", "off")
+
+
+def split_of(spec: Any) -> dict[str, Any]:
+    s = spec.serving
+    return {"tensor_parallel": s.tensor_parallel, "pipeline_parallel": s.pipeline_parallel,
+            "launcher": getattr(s, "launcher", "ray"), "nodes": len(spec.nodes)}
+
+
+def kv_of(record: tuple[Path, dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The KV lines the last `up` of this cluster recorded (what the engine logged at startup)."""
+    if record is None:
+        return None
+    path, data = record
+    lines = [str(x).split("] ")[-1] for x in data.get("kv_lines") or []]
+    tokens = next((int(m.group(1).replace(",", "")) for x in lines if (m := _KV_TOKENS.search(x))), None)
+    conc = next((float(m.group(1)) for x in lines if (m := _MAX_CONCURRENCY.search(x))), None)
+    return {"source": f"run record {path.name}", "lines": lines, "kv_cache_tokens": tokens, "max_concurrency": conc}
+
+
+def link_from_record(record: tuple[Path, dict[str, Any]] | None, why: str) -> dict[str, Any]:
+    """The idle readings the last `up`'s preflight took, standing in for readings under load."""
+    if record is None or not record[1].get("gpu_link"):
+        return {"source": "not read", "under_load": False, "nodes": {}, "note": f"{why}; no run record with readings"}
+    return {"source": f"run record {record[0].name} (idle)", "under_load": False, "nodes": record[1]["gpu_link"],
+            "note": why}
+
+
+def read_links_on_nodes(loaded: Any, runs_dir: Path, ansible: Any = None) -> dict[str, Any]:
+    """Every node's GPU link, read once by the preflight role's gpu_link tasks (nvidia-smi on each node)."""
+    from hy3spark.playbooks import render_inventory, secret_names
+    from hy3spark.runner import failure_summary, run_playbook
+
+    result = run_playbook("playbooks/preflight.yml", render_inventory(loaded, runs_dir), runs_dir=runs_dir,
+                          secret_names=secret_names(loaded), tags="gpu_link",
+                          extra_args=ansible.cmdline() if ansible else None)
+    readings = {n.name: result.results.get(n.name, {}).get("hy3spark_report_gpu_link") for n in loaded.spec.nodes}
+    if result.exit_code != 0 or all(v is None for v in readings.values()):
+        raise Hy3SparkError(failure_summary(result).splitlines()[0] if result.exit_code else
+                            "the gpu_link tasks reported nothing")
+    return readings
+
+
+class LinkSampler:
+    """Reads the links again and again while the load runs. What counts is the last reading that finished before the
+    load ended (the load was running when it was taken); a load shorter than one reading gets the first reading
+    after it, marked as such."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+        self._stop = threading.Event()
+        self._during: dict[str, Any] | None = None
+        self._after: dict[str, Any] | None = None
+        self.samples = 0
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="hy3spark-link", daemon=True)
+
+    def start(self) -> LinkSampler:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                nodes = self._read()
+            except Exception as exc:  # any failure to ask the nodes falls back to the record
+                self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                return
+            self.samples += 1
+            if self._stop.is_set():
+                self._after = nodes
+                return
+            self._during = nodes
+
+    def stop(self, timeout_s: float = 300.0) -> dict[str, Any] | None:
+        """The load has ended: the reading that counts, or None (then `error` may say why)."""
+        self._stop.set()
+        # Always wait for the reading in flight: it holds the secrets hand-over file, removed when it ends.
+        self._thread.join(timeout_s)
+        if self._during is not None:
+            return {"source": "nodes under load", "under_load": True, "nodes": self._during,
+                    "note": f"{self.samples} reading(s) during the load"}
+        if self._after is not None:
+            return {"source": "nodes after the load", "under_load": False, "nodes": self._after,
+                    "note": "the load ended before the first reading did"}
+        return None
+
+
 # --- the lab notebook ----------------------------------------------------------------------------------------------
 def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
+
+
+def split_text(split: dict[str, Any]) -> str:
+    if not split:
+        return "?"
+    nodes = split.get("nodes")
+    return (f"TP{split.get('tensor_parallel')} x PP{split.get('pipeline_parallel')}, {split.get('launcher')}"
+            + (f", {nodes} node{'s' if nodes != 1 else ''}" if nodes else ""))
+
+
+def gpu_text(gpu: dict[str, Any]) -> str:
+    """gen4 x16 of gen4 x16 (current of max); "no PCIe link reported" when nvidia-smi had none ([N/A])."""
+    keys = ("pcie_gen_current", "pcie_width_current", "pcie_gen_max", "pcie_width_max")
+    v = [gpu.get(k) for k in keys]
+    if all(x is None for x in v):
+        return "no PCIe link reported"
+
+    def gw(gen: Any, width: Any) -> str:
+        return f"gen{'?' if gen is None else gen} x{'?' if width is None else width}"
+
+    return f"{gw(v[0], v[1])} of {gw(v[2], v[3])}"
+
+
+def link_rows(link: dict[str, Any] | None) -> dict[str, str]:
+    """{"node GPU0": "gen4 x16 of gen4 x16", "node GPU0-GPU1": "PHB", "node": "skipped (nvidia-smi not found)"}."""
+    rows: dict[str, str] = {}
+    for node, reading in ((link or {}).get("nodes") or {}).items():
+        if not reading:
+            rows[node] = "not read"
+        elif reading.get("status") != "read":
+            rows[node] = f"{reading.get('status')} ({reading.get('reason') or '?'})"
+        elif not reading.get("gpus"):
+            rows[node] = "no GPU listed"
+        else:
+            for gpu in reading["gpus"]:
+                rows[f"{node} GPU{gpu.get('index')}"] = gpu_text(gpu)
+            for pair, kind in (reading.get("topo") or {}).items():
+                rows[f"{node} {pair}"] = kind
+    return rows
+
+
+def link_source(link: dict[str, Any] | None) -> str:
+    if not link:
+        return "not read"
+    return str(link.get("source") or "?")
+
+
+def kv_text(kv: dict[str, Any] | None) -> str:
+    if not kv:
+        return "no KV lines"
+    tokens, conc = kv.get("kv_cache_tokens"), kv.get("max_concurrency")
+    return (f"KV cache {'?' if tokens is None else f'{tokens:,}'} tokens, max concurrency "
+            f"{'?' if conc is None else f'{conc:g}x'}")
 
 
 def labbook_line(result: BenchResult) -> str:
@@ -354,10 +513,12 @@ def labbook_line(result: BenchResult) -> str:
         f"{lv.tpot_ms_p99:.1f} ms" + (f", {lv.errored} errored" if lv.errored else "")
         for lv in result.levels
     )
+    link = ", ".join(f"{k} {v}" for k, v in link_rows(result.link).items()) or "-"
     report = Path(result.report).parent.name if result.report else "-"
     return (f"| {result.date} | bench {_cell(result.label)} | {_cell(e.engine)} {_cell(e.version or '?')} "
             f"| {_cell(result.tool)}: {s.requests} req/level, max_tokens {s.max_tokens}, {_cell(s.prompt_set)} "
-            f"| {levels} | {report} |\n")
+            f"| {_cell(split_text(result.split))} | link {_cell(link_source(result.link))}: {_cell(link)} "
+            f"| {_cell(kv_text(result.kv))} | {levels} | {report} |\n")
 
 
 def print_table(result: BenchResult) -> None:
@@ -373,14 +534,17 @@ def print_table(result: BenchResult) -> None:
 
 # --- one run -------------------------------------------------------------------------------------------------------
 def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target: str | None, labbook: Path,
-        runs_dir: Path) -> BenchResult:
-    """Probe the endpoint, run the tool over every level, keep its report, append one labbook line."""
-    import re
-
+        runs_dir: Path, link: str = "nodes", ansible: Any = None,
+        read_links: Callable[[], dict[str, Any]] | None = None) -> BenchResult:
+    """Probe the endpoint, run the tool over every level (reading the GPU links on the nodes meanwhile), keep its
+    report, append one labbook line. `link`: nodes (under load, the record when the nodes cannot be asked), record
+    (the last `up`'s idle readings), off. `read_links` replaces the nodes' reading (tests)."""
     from hy3spark.context import build_context
-    from hy3spark.records import append_labbook, now
+    from hy3spark.records import append_labbook, newest_record, now
 
     spec = loaded.spec
+    if link not in LINK_MODES:
+        raise Hy3SparkError(f"--link {link!r}: one of {', '.join(LINK_MODES)}")
     if tool == "guidellm":
         bench_venv()  # before anything else: a missing venv is a setup step, not a run failure
     context = build_context(loaded)
@@ -394,6 +558,12 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "run"
     out_dir = runs_dir / "bench" / f"{date.replace('-', '').replace(':', '')}-{slug}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    record = newest_record(runs_dir, spec.name)
+    sampler = None
+    if link == "nodes":
+        print("reading the GPU links on the nodes while the load runs (roles/preflight, tag gpu_link)",
+              file=sys.stderr)
+        sampler = LinkSampler(read_links or (lambda: read_links_on_nodes(loaded, runs_dir, ansible))).start()
     try:
         if tool == "vllm":
             container = context["nodes"][spec.head.name]["container"]["name"]
@@ -404,11 +574,110 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
         else:
             levels, tool_name, report = run_guidellm(endpoint, settings, out_dir, label, api_key, key_env)
     except Hy3SparkError:
+        if sampler is not None:
+            sampler.stop()
         if not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise
+    links: dict[str, Any] | None = None
+    if sampler is not None:
+        links = sampler.stop()
+        if links is None:
+            why = f"the nodes could not be asked ({sampler.error or 'no reading'})"
+            print(f"warning: GPU links: {why}; using the last run record's idle readings", file=sys.stderr)
+            links = link_from_record(record, why)
+    elif link == "record":
+        links = link_from_record(record, "--link record")
     result = BenchResult(label=label, date=date, tool=tool_name, endpoint=endpoint, settings=settings, levels=levels,
-                         report=str(report))
+                         report=str(report), split=split_of(spec), link=links, kv=kv_of(record))
     (out_dir / "result.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     append_labbook(labbook, labbook_line(result))
     return result
+
+
+# --- side by side: `hy3spark labbook --compare` ------------------------------------------------------------------
+def labbook_runs(labbook: Path) -> list[dict[str, str]]:
+    """The bench lines of a lab notebook, oldest first: {date, label, run} (run: the report directory's name)."""
+    if not labbook.is_file():
+        raise Hy3SparkError(f"no lab notebook at {labbook} (hy3spark bench writes it; --labbook names another)")
+    runs = []
+    for line in labbook.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) >= 3 and cells[1].startswith("bench "):
+            runs.append({"date": cells[0], "label": cells[1].removeprefix("bench "), "run": cells[-1]})
+    return runs
+
+
+def load_runs(labbook: Path, runs_dir: Path, wanted: list[str]) -> list[dict[str, Any]]:
+    """Each wanted run's result.json: a label's newest line, or the line whose report directory has that name."""
+    runs = labbook_runs(labbook)
+    out = []
+    for name in wanted:
+        line = next((r for r in reversed(runs) if name in (r["label"], r["run"])), None)
+        if line is None:
+            have = ", ".join(dict.fromkeys(r["label"] for r in runs)) or "none"
+            raise Hy3SparkError(f"{labbook}: no bench line labelled {name!r} (labels: {have})")
+        places = [runs_dir / "bench" / line["run"] / "result.json",
+                  labbook.parent / "bench" / line["run"] / "result.json"]
+        path = next((p for p in places if p.is_file()), None)
+        if path is None:
+            raise Hy3SparkError(f"bench {name!r} ({line['date']}): its result {places[0]} is missing (--runs-dir "
+                                "names the runs directory it was written to)")
+        data = json.loads(path.read_text())
+        data["run"] = line["run"]
+        out.append(data)
+    return out
+
+
+def _ms(a: float, b: float, digits: int) -> str:
+    return f"{a:.{digits}f} / {b:.{digits}f}"
+
+
+def compare_rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(row name, one cell per run): identity, split, link, KV, then the four numbers of every level."""
+    def each(fn: Callable[[dict[str, Any]], str]) -> list[str]:
+        return [fn(r) for r in runs]
+
+    rows: list[tuple[str, list[str]]] = [
+        ("date", each(lambda r: str(r.get("date")))),
+        ("engine", each(lambda r: f"{r['endpoint']['engine']} {r['endpoint'].get('version') or '?'}")),
+        ("model", each(lambda r: str(r["endpoint"]["model"]))),
+        ("tool", each(lambda r: f"{r['tool']}, {r['settings']['requests']} req/level, max_tokens "
+                                f"{r['settings']['max_tokens']}, {r['settings']['prompts']}")),
+        ("split", each(lambda r: split_text(r.get("split") or {}))),
+        ("link read", each(lambda r: link_source(r.get("link")))),
+    ]
+    links = [link_rows(r.get("link")) for r in runs]
+    for key in dict.fromkeys(k for lr in links for k in lr):
+        rows.append((f"  {key}", [lr.get(key, "-") for lr in links]))
+    rows.append(("KV cache tokens", each(lambda r: "-" if not r.get("kv") or r["kv"].get("kv_cache_tokens") is None
+                                         else f"{r['kv']['kv_cache_tokens']:,}")))
+    rows.append(("max concurrency", each(lambda r: "-" if not r.get("kv") or r["kv"].get("max_concurrency") is None
+                                         else f"{r['kv']['max_concurrency']:g}x")))
+    levels = [{lv["concurrency"]: lv for lv in r["levels"]} for r in runs]
+    for c in sorted({c for lv in levels for c in lv}):
+        got = [lv.get(c) for lv in levels]
+        rows += [
+            (f"c{c} output tok/s", [f"{x['output_tokens_per_s']:.1f}" if x else "-" for x in got]),
+            (f"c{c} requests/s", [f"{x['requests_per_s']:.2f}" if x else "-" for x in got]),
+            (f"c{c} TTFT p50 / p99 ms", [_ms(x["ttft_ms_p50"], x["ttft_ms_p99"], 0) if x else "-" for x in got]),
+            (f"c{c} TPOT p50 / p99 ms", [_ms(x["tpot_ms_p50"], x["tpot_ms_p99"], 1) if x else "-" for x in got]),
+        ]
+        if any(x and x.get("errored") for x in got):
+            rows.append((f"c{c} errored", [str(x["errored"]) if x else "-" for x in got]))
+    return rows
+
+
+def compare_table(runs: list[dict[str, Any]]) -> str:
+    """The runs as columns, one row per measure: plain text, nothing cut (a notebook keeps it as it is)."""
+    rows = compare_rows(runs)
+    header = ("", [str(r["label"]) for r in runs])
+    first = max(len(name) for name, _ in [header, *rows])
+    widths = [max(len(cells[i]) for _, cells in [header, *rows]) for i in range(len(runs))]
+
+    def line(name: str, cells: list[str]) -> str:
+        return "  ".join([name.ljust(first), *(c.ljust(w) for c, w in zip(cells, widths, strict=True))]).rstrip()
+
+    out = [line(*header), "  ".join("-" * w for w in [first, *widths])]
+    out += [line(name, cells) for name, cells in rows]
+    return "\n".join(out) + "\n"

@@ -199,7 +199,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                    "runs/bench/.",
                        epilog="TPOT is vLLM's definition (first token excluded). guidellm runs from its own venv: "
                               "scripts/bench-venv creates it. The API key comes from the variable the spec names "
-                              "(serving.api_key_env) and never reaches a command line.")
+                              "(serving.api_key_env) and never reaches a command line. Each line also keeps the "
+                              "split (TP x PP, launcher), the last up's KV lines and every GPU's PCIe link "
+                              "generation and width read on the nodes while the load runs (the current values "
+                              "drop at idle). `hy3spark labbook --compare A B` shows runs side by side.")
     _spec_arg(p)
     p.add_argument("--label", metavar="L", help="the run's name in the lab notebook (default: the cluster name)")
     p.add_argument("--target", metavar="URL",
@@ -217,10 +220,32 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--processor", metavar="DIR",
                    help="tokenizer for guidellm's prompts (default: a small offline one; the counts reported "
                         "come from the server)")
+    p.add_argument("--link", choices=("nodes", "record", "off"), default="nodes",
+                   help="the GPUs' PCIe links: nodes (default) reads them on every node while the load runs "
+                        "(playbooks/preflight.yml --tags gpu_link, over SSH as the other commands), falling back to "
+                        "the last up's run record (idle readings) when the nodes cannot be asked; record uses that "
+                        "record; off reads none")
     p.add_argument("--labbook", type=Path, metavar="PATH", help="lab notebook (default: labbook.md in the runs dir)")
     p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    _passthrough(p, skip_tags=False, modes=False)
     p.set_defaults(func=cmd_bench)
+
+
+def _add_labbook(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("labbook", help="list the lab notebook's bench runs, or compare runs side by side",
+                       description="List the bench runs of the lab notebook (date, label, report). With --compare, "
+                                   "show two or more runs side by side: label, split (TP x PP, launcher), each GPU's "
+                                   "PCIe link generation and width (under load, or where they were read), the KV "
+                                   "cache tokens and maximum concurrency, and per concurrency level output tokens/s, "
+                                   "requests/s, TTFT and TPOT at p50 / p99.",
+                       epilog="A label names its newest run; a report directory's name (the notebook's last "
+                              "column) names one run. Example: hy3spark labbook --compare two-card-tp two-card-pp")
+    p.add_argument("--compare", nargs="+", metavar="LABEL", help="two or more labels (or report directory names)")
+    p.add_argument("--labbook", type=Path, metavar="PATH", help="lab notebook (default: labbook.md in the runs dir)")
+    p.add_argument("--runs-dir", type=Path, metavar="DIR", help=RUNS_DIR_HELP)
+    p.add_argument("--json", action="store_true", help="machine-readable output (the runs' results)")
+    p.set_defaults(func=cmd_labbook)
 
 
 def _add_profiles(sub: argparse._SubParsersAction) -> None:
@@ -230,7 +255,7 @@ def _add_profiles(sub: argparse._SubParsersAction) -> None:
 
 # The subcommands in the order --help lists them: one builder each.
 COMMANDS = (_add_render, _add_validate, _add_plan, _add_transport, _add_up, _add_down, _add_check, _add_status,
-            _add_logs, _add_bench, _add_profiles)
+            _add_logs, _add_bench, _add_labbook, _add_profiles)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -488,13 +513,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               processor=args.processor)
     runs = _runs_dir(args)
     labbook = (args.labbook or runs / "labbook.md").resolve()
-    result = bench.run(_load(args.spec), settings=settings, tool=args.tool, label=args.label, target=args.target,
-                       labbook=labbook, runs_dir=runs)
+    loaded = _load(args.spec)
+    result = bench.run(loaded, settings=settings, tool=args.tool, label=args.label, target=args.target,
+                       labbook=labbook, runs_dir=runs, link=args.link, ansible=_ansible(args, loaded))
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         bench.print_table(result)
         print(f"lab notebook: {labbook}")
+    return EXIT_OK
+
+
+def cmd_labbook(args: argparse.Namespace) -> int:
+    import json
+
+    from hy3spark import bench
+
+    runs = _runs_dir(args)
+    labbook = (args.labbook or runs / "labbook.md").resolve()
+    if args.compare is None:
+        lines = bench.labbook_runs(labbook)
+        if args.json:
+            print(json.dumps(lines, indent=2))
+        for line in [] if args.json else lines:
+            print(f"{line['date']}  {line['label']}  ({line['run']})")
+        return EXIT_OK
+    if len(args.compare) < 2:
+        raise Hy3SparkError("--compare needs two or more labels")
+    results = bench.load_runs(labbook, runs, args.compare)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        sys.stdout.write(bench.compare_table(results))
     return EXIT_OK
 
 

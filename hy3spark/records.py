@@ -17,13 +17,23 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def last_record(runs_dir: Path, cluster: str) -> dict[str, Any] | None:
-    """The newest record of this cluster (a runs directory holds the records of every cluster run from it)."""
+def newest_record(runs_dir: Path, cluster: str) -> tuple[Path, dict[str, Any]] | None:
+    """The newest record of this cluster and its content (a runs directory holds the records of every cluster run
+    from it)."""
     for path in sorted((runs_dir / "records").glob(f"*-{cluster}.json"), reverse=True):
         data = json.loads(path.read_text())
         if data.get("cluster") == cluster:
-            return {"file": str(path), "started": data.get("started"), "status": data.get("status")}
+            return path, data
     return None
+
+
+def last_record(runs_dir: Path, cluster: str) -> dict[str, Any] | None:
+    """The newest record of this cluster, in short."""
+    found = newest_record(runs_dir, cluster)
+    if found is None:
+        return None
+    path, data = found
+    return {"file": str(path), "started": data.get("started"), "status": data.get("status")}
 
 
 def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dict[str, Any] | None,
@@ -51,6 +61,9 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
         "kv_predicted": _predicted(loaded),
         "transport": (summary or {}).get("transport"),
         "ray": (summary or {}).get("ray"),
+        # Each node's GPU link readings as the run's last preflight took them (roles/preflight's "Report the GPU
+        # link readings"); null when no preflight ran (a run in sync with its last one skips it). Idle values.
+        "gpu_link": gpu_link_from(result, [n.name for n in loaded.spec.nodes]),
         "failures": [f.__dict__ for f in result.failures],
         "artifacts": str(result.private_data_dir),
     }
@@ -65,6 +78,12 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
             f"| {path.name} |\n")
     append_labbook(labbook, line)
     return path
+
+
+def gpu_link_from(result: RunResult, nodes: list[str]) -> dict[str, Any] | None:
+    """{node: reading} from a run that read the GPU links (preflight), else None."""
+    readings = {n: result.results.get(n, {}).get("hy3spark_report_gpu_link") for n in nodes}
+    return readings if any(v is not None for v in readings.values()) else None
 
 
 def _predicted(loaded: Loaded) -> dict[str, Any]:

@@ -100,13 +100,80 @@ def test_labbook_line_is_one_table_row() -> None:
         settings=bench.Settings(concurrency=[1], requests=5, max_tokens=64, prompt_tokens=128),
         levels=[bench.Level(1, 5, 1, 20.04, 0.31, 120.4, 130.6, 48.04, 49.96)],
         report="/x/runs/bench/20260102T030405Z-tp2-mtp/guidellm.json",
+        split={"tensor_parallel": 2, "pipeline_parallel": 1, "launcher": "native", "nodes": 1},
+        link={"source": "nodes under load", "under_load": True,
+              "nodes": {"desk": READ_UNDER_LOAD, "spark-b": {"status": "skipped", "reason": "nvidia-smi not found",
+                                                             "gpus": [], "topo": None}}},
+        kv={"source": "run record x.json", "lines": [], "kv_cache_tokens": 123456, "max_concurrency": 4.56},
     )
     line = bench.labbook_line(result)
     assert line.endswith("|\n") and line.count("\n") == 1
-    assert line.count("|") == 7  # six cells: the label's own "|" is escaped
+    assert line.count("|") == 10  # nine cells: the label's own "|" is escaped
     assert "bench tp2 / mtp | vllm ? | guidellm 0.8.1: 5 req/level, max_tokens 64, synthetic 128 tokens" in line
+    assert ("| TP2 x PP1, native, 1 node | link nodes under load: desk GPU0 gen4 x16 of gen4 x16, desk GPU1 gen4 x8 "
+            "of gen4 x16, desk GPU0-GPU1 PHB, spark-b skipped (nvidia-smi not found) "
+            "| KV cache 123,456 tokens, max concurrency 4.56x |") in line
     assert "c1: 20.0 tok/s, 0.31 req/s, TTFT p50/p99 120/131 ms, TPOT p50/p99 48.0/50.0 ms, 1 errored" in line
     assert line.rstrip().endswith("| 20260102T030405Z-tp2-mtp |")
+
+
+# Hand-made from nvidia-smi's documented --query-gpu output (no real reading of this query is in ../shared/fixtures),
+# as roles/preflight's filter parses it: the desktop's two cards, the second in an x8 slot; at idle both drop to gen1.
+READ_UNDER_LOAD = {"status": "read", "reason": "", "topo": {"GPU0-GPU1": "PHB"}, "gpus": [
+    {"index": 0, "name": "NVIDIA GeForce RTX 4090", "memory_total_mib": 24564, "pcie_gen_current": 4,
+     "pcie_width_current": 16, "pcie_gen_max": 4, "pcie_width_max": 16},
+    {"index": 1, "name": "NVIDIA GeForce RTX 4090", "memory_total_mib": 24564, "pcie_gen_current": 4,
+     "pcie_width_current": 8, "pcie_gen_max": 4, "pcie_width_max": 16}]}
+READ_IDLE = {**READ_UNDER_LOAD, "gpus": [{**g, "pcie_gen_current": 1} for g in READ_UNDER_LOAD["gpus"]]}
+
+
+def test_link_sampler_keeps_the_last_reading_taken_during_the_load() -> None:
+    calls = []
+
+    def read() -> dict:
+        calls.append(time.monotonic())
+        time.sleep(0.05)
+        return {"desk": {"n": len(calls)}}
+
+    sampler = bench.LinkSampler(read).start()
+    time.sleep(0.3)  # the load
+    got = sampler.stop()
+    assert got and got["under_load"] and got["source"] == "nodes under load"
+    # The reading in flight when the load ended is waited for (it holds the secrets hand-over) but does not count.
+    assert got["nodes"]["desk"]["n"] == len(calls) - 1 and sampler.samples == len(calls) >= 3
+
+    def slow() -> dict:
+        time.sleep(0.2)
+        return {"desk": READ_IDLE}
+
+    sampler = bench.LinkSampler(slow).start()
+    got = sampler.stop()  # a load shorter than one reading
+    assert got == {"source": "nodes after the load", "under_load": False, "nodes": {"desk": READ_IDLE},
+                   "note": "the load ended before the first reading did"}
+
+    def unreachable() -> dict:
+        raise Hy3SparkError("playbooks/preflight.yml failed (rc 4, status failed) after 3 s\n  UNREACHABLE ...")
+
+    sampler = bench.LinkSampler(unreachable).start()
+    assert sampler.stop() is None and sampler.error == "playbooks/preflight.yml failed (rc 4, status failed) after 3 s"
+
+
+def test_kv_and_idle_links_come_from_the_last_run_record(tmp_path: Path) -> None:
+    path = tmp_path / "20260102T030405Z-bench-test.json"
+    data = {"kv_lines": ["(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1087] GPU KV cache size: "
+                         "1,234,560 tokens",
+                         "(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1091] Maximum concurrency "
+                         "for 100,003 tokens per request: 12.35x"],
+            "gpu_link": {"desk": READ_IDLE}}
+    kv = bench.kv_of((path, data))
+    assert kv == {"source": f"run record {path.name}", "lines": [
+        "GPU KV cache size: 1,234,560 tokens", "Maximum concurrency for 100,003 tokens per request: 12.35x"],
+        "kv_cache_tokens": 1234560, "max_concurrency": 12.35}
+    assert bench.kv_of(None) is None
+    link = bench.link_from_record((path, data), "--link record")
+    assert link["source"] == f"run record {path.name} (idle)" and not link["under_load"]
+    assert bench.link_rows(link)["desk GPU1"] == "gen1 x8 of gen4 x16"
+    assert bench.link_from_record(None, "why")["source"] == "not read"
 
 
 # --- against the engine double ------------------------------------------------------------------------------------
@@ -272,3 +339,111 @@ def test_vllm_tool_says_the_double_has_no_vllm_bench(endpoint: str, spec: Path, 
     assert "vllm 0.23.0+testdouble says:" in proc.stderr
     assert "use --tool guidellm (the default)" in proc.stderr
     assert not (tmp_path / "lab.md").exists()
+
+
+# --- the two-card comparison: two bench runs, then `hy3spark labbook --compare` ------------------------------------
+# A GPU double (the GPUs are the one thing a test machine lacks): nvidia-smi answering the preflight role's two
+# queries as the desktop's cards do under load (hand-made from the documented formats, as READ_UNDER_LOAD).
+NVIDIA_SMI = """#!/bin/sh
+case "$*" in
+  "--query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current,pcie.link.gen.max,\
+pcie.link.width.max --format=csv,noheader,nounits")
+    printf '0, NVIDIA GeForce RTX 4090, 24564, 4, 16, 4, 16\\n1, NVIDIA GeForce RTX 4090, 24564, 4, 8, 4, 16\\n' ;;
+  "topo -m")
+    printf '\\tGPU0\\tGPU1\\tCPU Affinity\\tNUMA Affinity\\tGPU NUMA ID\\n'
+    printf 'GPU0\\t X \\tPHB\\t0-31\\t0\\t\\tN/A\\nGPU1\\tPHB\\t X \\t0-31\\t0\\t\\tN/A\\n'
+    printf '\\nLegend:\\n\\n  X    = Self\\n' ;;
+  *) echo "nvidia-smi double: unexpected arguments: $*" >&2; exit 2 ;;
+esac
+"""
+
+
+def _up_record(spec: Path, runs: Path, started: str, kv_tokens: str, concurrency: str) -> Path:
+    """What `hy3spark up` leaves for this split, written by the real record writer: the KV lines the engine logged
+    and the idle link readings its preflight reported (both hand-made, in the engine's and the role's formats)."""
+    from hy3spark import records
+    from hy3spark.runner import RunResult
+    from hy3spark.spec import load_spec
+
+    loaded = load_spec(spec)
+    result = RunResult("site.yml", "successful", 0, runs, [], {}, {}, 1.0,
+                       {"bench-head": {"hy3spark_report_gpu_link": READ_IDLE}})
+    summary = {"nodes": {}, "kv_lines": [
+        f"(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1087] GPU KV cache size: {kv_tokens} tokens",
+        f"(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1091] Maximum concurrency for 100,003 "
+        f"tokens per request: {concurrency}x"]}
+    return records.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+
+
+def test_bench_tp_and_pp_side_by_side_with_the_links_read_under_load(
+    bench_venv: Path, endpoint: str, tmp_path: Path
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    runs, labbook = tmp_path / "runs", tmp_path / "runs" / "labbook.md"
+    splits = {"two-card-tp": (2, 1, "2026-01-02T03:00:00Z", "1,234,560", "12.35"),
+              "two-card-pp": (1, 2, "2026-01-02T04:00:00Z", "1,310,720", "13.11")}
+    for label, (tp, pp, started, kv_tokens, concurrency) in splits.items():
+        spec = tmp_path / f"{label}.yml"
+        spec.write_text(SPEC.replace("  ssh_user: root\n", "  ssh_user: root\n  gpus: 2\n").replace(
+            "  host: 127.0.0.1\n", f"  host: 127.0.0.1\n  tensor_parallel: {tp}\n  pipeline_parallel: {pp}\n"))
+        _up_record(spec, runs, started, kv_tokens, concurrency)
+        # The desktop is the controller itself: the nodes are asked over a local connection, where the double is.
+        env_path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "hy3spark", "bench", str(spec), "--target", endpoint, "--label", label,
+             "--concurrency", "1", "--requests", "6", "--max-tokens", "48", "--prompt-tokens", "32",
+             "--runs-dir", str(runs), "-e", "ansible_connection=local",
+             "-e", f"ansible_python_interpreter={sys.executable}"],
+            cwd=REPO, capture_output=True, text=True, env={**os.environ, KEY_ENV: KEY, "PATH": env_path})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    # A third run without asking the nodes: the last up's idle readings, said as such.
+    proc = _hy3spark("bench", str(tmp_path / "two-card-pp.yml"), "--target", endpoint, "--label", "pp-idle-link",
+                     "--concurrency", "1", "--requests", "2", "--max-tokens", "8", "--prompt-tokens", "32",
+                     "--runs-dir", str(runs), "--link", "record")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    lines = [x for x in labbook.read_text().splitlines() if "| bench " in x]
+    assert len(lines) == 3
+    assert ("| TP2 x PP1, ray, 1 node | link nodes under load: bench-head GPU0 gen4 x16 of gen4 x16, bench-head GPU1 "
+            "gen4 x8 of gen4 x16, bench-head GPU0-GPU1 PHB | KV cache 1,234,560 tokens, max concurrency 12.35x |"
+            ) in lines[0]
+    assert "| TP1 x PP2, ray, 1 node | link nodes under load: " in lines[1]
+    assert "KV cache 1,310,720 tokens, max concurrency 13.11x" in lines[1]
+    assert "| link run record 20260102T040000Z-bench-test.json (idle): bench-head GPU0 gen1 x16 of gen4 x16" in lines[2]
+
+    proc = _hy3spark("labbook", "--compare", "two-card-tp", "two-card-pp", "pp-idle-link", "--runs-dir", str(runs))
+    assert proc.returncode == 0, proc.stderr
+    print(proc.stdout)
+    out = proc.stdout.splitlines()
+    # Columns as the dashes under the header mark them: the row's name, then one cell per run.
+    spans, at = [], 0
+    for dashes in out[1].split("  "):
+        spans.append((at, at + len(dashes)))
+        at += len(dashes) + 2
+    cells = {line[:spans[0][1]].strip(): [line[a:b].strip() for a, b in spans[1:]] for line in out[2:]}
+    assert [out[0][a:b].strip() for a, b in spans] == ["", "two-card-tp", "two-card-pp", "pp-idle-link"]
+    assert [c.strip() for c in cells["split"]] == ["TP2 x PP1, ray, 1 node", "TP1 x PP2, ray, 1 node",
+                                                   "TP1 x PP2, ray, 1 node"]
+    assert [c.strip() for c in cells["link read"]] == [
+        "nodes under load", "nodes under load", "run record 20260102T040000Z-bench-test.json (idle)"]
+    assert [c.strip() for c in cells["bench-head GPU1"]] == ["gen4 x8 of gen4 x16", "gen4 x8 of gen4 x16",
+                                                            "gen1 x8 of gen4 x16"]
+    assert [c.strip() for c in cells["bench-head GPU0-GPU1"]] == ["PHB", "PHB", "PHB"]
+    assert [c.strip() for c in cells["KV cache tokens"]] == ["1,234,560", "1,310,720", "1,310,720"]
+    assert [c.strip() for c in cells["max concurrency"]] == ["12.35x", "13.11x", "13.11x"]
+    for row in ("c1 output tok/s", "c1 requests/s", "c1 TTFT p50 / p99 ms", "c1 TPOT p50 / p99 ms"):
+        assert len(cells[row]) == 3 and "-" not in [c.strip() for c in cells[row]], (row, cells[row])
+    # The numbers are the runs' own: TPOT p50 near the double's per-token delay.
+    tpot_p50 = [float(c.split("/")[0]) for c in cells["c1 TPOT p50 / p99 ms"]]
+    assert all(TOKEN_DELAY_S * 1000 * 0.9 < t < TOKEN_DELAY_S * 1000 * 1.6 for t in tpot_p50), tpot_p50
+
+    as_json = json.loads(_hy3spark("labbook", "--compare", "two-card-tp", "two-card-pp", "--runs-dir", str(runs),
+                                   "--json").stdout)
+    assert [r["label"] for r in as_json] == ["two-card-tp", "two-card-pp"]
+    assert as_json[0]["link"]["under_load"] is True and as_json[0]["link"]["nodes"]["bench-head"] == READ_UNDER_LOAD
+    missing = _hy3spark("labbook", "--compare", "two-card-tp", "nope", "--runs-dir", str(runs))
+    assert missing.returncode == 1
+    assert "no bench line labelled 'nope' (labels: two-card-tp, two-card-pp, pp-idle-link)" in missing.stderr

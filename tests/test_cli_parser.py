@@ -39,10 +39,14 @@ CASES = {
     "logs": (["--no-follow", "-n", "5", "--runs-dir", "r"], {"no_follow": True, "lines": 5, "runs_dir": Path("r")}),
     "bench": (["--label", "tp2", "--target", "http://h:1/v1", "--tool", "vllm", "--concurrency", "1,8",
                "--requests", "3", "--max-tokens", "9", "--prompt-tokens", "7", "--prompts", "p.txt", "--processor",
-               "tok", "--labbook", "lab.md", "--runs-dir", "r", "--json"],
+               "tok", "--labbook", "lab.md", "--runs-dir", "r", "--json", "--link", "record", "-e", "a=1"],
               {"label": "tp2", "target": "http://h:1/v1", "tool": "vllm", "concurrency": "1,8", "requests": 3,
                "max_tokens": 9, "prompt_tokens": 7, "prompts": Path("p.txt"), "processor": "tok",
-               "labbook": Path("lab.md"), "runs_dir": Path("r"), "json": True}),
+               "labbook": Path("lab.md"), "runs_dir": Path("r"), "json": True, "link": "record",
+               "extra_vars": ["a=1"]}),
+    "labbook": (["--compare", "two-card-tp", "two-card-pp", "--labbook", "lab.md", "--runs-dir", "r", "--json"],
+                {"compare": ["two-card-tp", "two-card-pp"], "labbook": Path("lab.md"), "runs_dir": Path("r"),
+                 "json": True}),
     "profiles": ([], {}),
 }
 
