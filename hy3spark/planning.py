@@ -11,12 +11,12 @@ from hy3spark.errors import Hy3SparkError
 from hy3spark.spec import Loaded
 
 GIB = capacity.GIB
-# What NVML reports as a DGX Spark's GPU memory: nothing, its GB10 raises NVMLError_NotSupported. vLLM takes that as
-# 0 GiB, so `vllm serve` on a Spark defaults to max_num_batched_tokens 2048 (vLLM 0.23.0's vectors
-# gptoss120b-profile-gb10-nvml-unsupported and hy3-profile-gb10-nvml-unsupported).
-SPARK_NVML_TOTAL_MEMORY_BYTES: int | None = None
+# max_num_batched_tokens is a spec field, always rendered (serving.max_num_batched_tokens): vLLM's own default
+# depends on what NVML reports of the GPU's memory, and a GB10 raises NVMLError_NotSupported there (2048 instead of
+# 8192: vLLM 0.23.0's vectors gptoss120b-profile-gb10-nvml-unsupported and hy3-profile-gb10-nvml-unsupported), so
+# the planner plans the value the engine is given.
 # The serving.extra_args with a value that change the KV cache (vLLM resolves them when they are absent).
-_VALUED_KV_FLAGS = ("--max-num-batched-tokens", "--block-size")
+_VALUED_KV_FLAGS = ("--block-size",)
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ def plan_for(loaded: Loaded, overhead: Overhead, free_gib: float | None = None) 
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         kv_cache_dtype=s.kv_cache_dtype,
-        max_num_batched_tokens=extra.get("max_num_batched_tokens")
-        or capacity.vllm_default_max_num_batched_tokens(SPARK_NVML_TOTAL_MEMORY_BYTES),
+        max_num_batched_tokens=s.max_num_batched_tokens,
         block_size=extra.get("block_size") or capacity.BLOCK_SIZE,
         hybrid_kv_cache_manager=not extra.get("disable_hybrid_kv_cache_manager", False),
         speculative_method=str(speculative["method"]) if "method" in speculative else None,

@@ -28,6 +28,7 @@ from hy3spark.capacity import (
     plan_from_available,
     vllm_default_max_num_batched_tokens,
 )
+from hy3spark.engines.vllm import VllmEngine
 from hy3spark.spec import load_spec, parse_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,27 +196,30 @@ PROFILE_CASES = [case_id for case_id, case in CASES.items() if "hy3spark_plan" i
 
 @pytest.mark.parametrize("case_id", PROFILE_CASES)
 def test_profile_specs_plan_what_vllm_logged(case_id: str) -> None:
-    """On a DGX Spark NVML cannot report the GB10's memory, so vLLM defaults max_num_batched_tokens to 2048 and the
-    spec plans exactly that; the vectors with NVML reporting 121.69 GiB (8192) need it in extra_args."""
+    """The spec plans the max_num_batched_tokens it renders: the profiles' 2048, what vLLM picks on a GB10 whose NVML
+    cannot report its memory, and 8192 (vLLM's default where NVML reports 121.69 GiB) when the spec says so."""
     case = CASES[case_id]
     inputs = case["inputs"]
     example = case["hy3spark_plan"]["command"].split()[2].removeprefix("examples/")
     nvml_reports = "total_memory_bytes" in inputs["device"]
-    extra = ["--max-num-batched-tokens", str(inputs["max_num_batched_tokens"])] if nvml_reports else []
-    plan = spec_plan(example, extra_args=extra)
+    assert inputs["max_num_batched_tokens"] == (8192 if nvml_reports else 2048)
+    plan = spec_plan(example, **({"max_num_batched_tokens": 8192} if nvml_reports else {}))
     assert [row.kv_available_bytes for row in plan.rows] == inputs["available_kv_bytes_per_rank"]
     assert [row.num_blocks for row in plan.rows] == case["vllm"]["num_blocks_per_rank_before_min"]
     assert [plan.kv_cache_size_line, plan.max_concurrency_line] == case["vllm"]["lines"]
     assert len(PROFILE_CASES) == 5
 
 
-def test_the_gpt_oss_spec_defaults_to_the_gb10_batch_size() -> None:
-    """The case the planner got wrong before: without extra_args it planned vLLM's 8192-token default."""
+def test_the_gpt_oss_spec_plans_the_batch_size_it_renders() -> None:
+    """The ambiguity ENGINES.md describes: vLLM's default differs between a GB10 whose NVML cannot report its memory
+    (2048) and one that can (8192), and the lines differ with it. The profile renders 2048 explicitly and plans it."""
     nvml = CASES["gptoss120b-profile-gb10-nvml-unsupported"]["vllm"]["lines"]
     reported = CASES["gptoss120b-profile-tp1-hybrid"]["vllm"]["lines"]
     assert nvml != reported
     plan = spec_plan("gpt-oss-single.yml")
     assert [plan.kv_cache_size_line, plan.max_concurrency_line] == nvml
+    argv = VllmEngine(load_spec(REPO / "examples" / "gpt-oss-single.yml").spec).serve_argv()
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
 
 
 @pytest.mark.parametrize(
@@ -237,10 +241,10 @@ def test_extra_args_and_serving_fields_reach_the_plan(case_id: str, example: str
 
 
 def test_extra_args_are_read_as_vllm_reads_them() -> None:
-    assert planning.kv_extra_args(["--max_num_batched_tokens", "2K", "--block-size=32", "--enforce-eager"]) == {
-        "max_num_batched_tokens": 2048,
-        "block_size": 32,
-    }
+    assert planning.kv_extra_args(["--block_size", "2K", "--block-size=32", "--enforce-eager"]) == {"block_size": 32}
+    # A field of the spec now (serving.max_num_batched_tokens): validation refuses it in extra_args, and the plan
+    # never reads it there.
+    assert planning.kv_extra_args(["--max_num_batched_tokens", "4096"]) == {}
     assert planning.kv_extra_args(["--block-size", "16", "--block_size=32"]) == {"block_size": 32}
     assert planning.kv_extra_args(["--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"]) == {
         "disable_hybrid_kv_cache_manager": False
@@ -262,7 +266,7 @@ def test_the_default_spec_plans_the_hy3_profile_vector() -> None:
 )  # fmt: skip
 def test_extra_args_take_vllms_human_readable_numbers(value: str, expected: int) -> None:
     """vLLM's human_readable_int: a lower-case suffix is decimal (k = 1000), an upper-case one binary (K = 1024)."""
-    assert planning.kv_extra_args(["--max-num-batched-tokens", value]) == {"max_num_batched_tokens": expected}
+    assert planning.kv_extra_args(["--block-size", value]) == {"block_size": expected}
 
 
 def test_a_kv_flag_without_its_value_is_a_clean_error() -> None:
@@ -286,7 +290,7 @@ def test_a_spec_without_speculative_config_plans_no_draft_layer() -> None:
 
 
 def test_a_kv_flag_anywhere_in_extra_args_takes_the_next_argument() -> None:
-    assert planning.kv_extra_args(["--enforce-eager", "--block-size", "32", "--max-num-batched-tokens", "4096"]) == {
+    assert planning.kv_extra_args(["--enforce-eager", "--block-size", "32", "--disable-hybrid-kv-cache-manager"]) == {
         "block_size": 32,
-        "max_num_batched_tokens": 4096,
+        "disable_hybrid_kv_cache_manager": True,
     }

@@ -211,10 +211,11 @@ def double_src() -> Iterator[None]:
 def test_every_rendered_command_is_accepted(double_src: None, example: str) -> None:
     from vllm.double import args as cli_args
 
-    argv = VllmEngine(load_spec(REPO / "examples" / example).spec).serve_argv()
+    spec = load_spec(REPO / "examples" / example).spec
+    argv = VllmEngine(spec).serve_argv()
     parsed = cli_args.build_parser().parse_args(cli_args.preprocess(argv[1:]))
     assert parsed.model_tag == argv[2]
-    assert parsed.distributed_executor_backend == "ray"
+    assert parsed.distributed_executor_backend == {"ray": "ray", "native": "mp"}[spec.serving.launcher]
     assert parsed.tensor_parallel_size == int(argv[argv.index("--tensor-parallel-size") + 1])
 
 
@@ -456,16 +457,16 @@ SERVED_SPECS = {
 def test_served_specs_land_on_vllms_profile_vectors(start_double: Any, spec: str, nvml: str) -> None:
     """What the site and operator tests start: the profile's own command on a synthetic model with the profile's
     checkpoint size and the fake GPU's defaults. Each lands on vLLM's profile vector with the same memory, and the
-    planner predicts the lines the double logs (from vLLM's data, not from the planner)."""
+    planner predicts the lines the double logs (from vLLM's data, not from the planner). The profiles render
+    --max-num-batched-tokens 2048 explicitly, so whether NVML reports the GPU's memory (vLLM's default would be 8192)
+    or not (2048) no longer changes the vector: both land on the 2048 one."""
     loaded = SERVED_SPECS[spec]()
     preset = "gpt-oss" if loaded.spec.model.arch.sliding_window else "hy3"
-    expected = {
-        ("hy3", "unsupported"): "hy3-profile-gb10-nvml-unsupported",
-        ("hy3", "reported"): "hy3-profile-tp2-mtp-fp8",
-        ("gpt-oss", "unsupported"): "gptoss120b-profile-gb10-nvml-unsupported",
-        ("gpt-oss", "reported"): "gptoss120b-profile-tp1-hybrid",
-    }[preset, nvml]
-    log, vector = start_double(VllmEngine(loaded.spec).serve_argv(), preset, VLLM_DOUBLE_NVML_MEMORY=nvml)
+    argv = VllmEngine(loaded.spec).serve_argv()
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+    expected = {"hy3": "hy3-profile-gb10-nvml-unsupported", "gpt-oss": "gptoss120b-profile-gb10-nvml-unsupported"}[
+        preset]
+    log, vector = start_double(argv, preset, VLLM_DOUBLE_NVML_MEMORY=nvml)
     assert vector.id == expected
     case = VLLM_CASES[expected]
     gib = [f"Available KV cache memory: {b / 2**30:.2f} GiB" for b in case["inputs"]["available_kv_bytes_per_rank"]]

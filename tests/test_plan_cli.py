@@ -78,10 +78,10 @@ def test_gpt_oss_on_a_spark_plans_vllms_2048_token_batch_default(cli) -> None:
 def test_a_bad_kv_flag_in_extra_args_is_a_clean_error(cli, tmp_path: Path) -> None:
     spec = tmp_path / "c.yml"
     spec.write_text((Path(__file__).parent.parent / "examples/gpt-oss-single.yml").read_text().replace(
-        "  api_key_env: null\n", "  api_key_env: null\n  extra_args: [--max-num-batched-tokens, lots]\n"))
+        "  api_key_env: null\n", "  api_key_env: null\n  extra_args: [--block-size, lots]\n"))
     result = cli("plan", str(spec))
     assert result.code == 1
-    assert "serving.extra_args: --max-num-batched-tokens 'lots' is not a whole number" in result.err
+    assert "serving.extra_args: --block-size 'lots' is not a whole number" in result.err
     assert "Traceback" not in result.err
 
 

@@ -87,7 +87,7 @@ def test_default_serve_command_has_the_recipes_flags() -> None:
     argv = shlex.split(line)[1:]
     recipe = shlex.split(
         "--served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray "
-        "--max-model-len 131072 --max-num-seqs 6 --max-num-batched-tokens 8192 --kv-cache-dtype fp8_e4m3 "
+        "--max-model-len 131072 --max-num-seqs 6 --max-num-batched-tokens 2048 --kv-cache-dtype fp8_e4m3 "
         "--gpu-memory-utilization 0.90 "
         "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":1}' --tool-call-parser hy_v3 "
         "--reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager")

@@ -89,6 +89,12 @@ def set_(path: tuple[str | int, ...], value: Any, *, raw: str | None = None, nee
     return mutate
 
 
+def under_ray(mutate: Mutation) -> Mutation:
+    """Only where Ray launches the engine: under the native launcher Ray's ports are free and a ray section is refused
+    as such (tests/test_spec_rules.py holds those rules)."""
+    return lambda text: None if merged_view(text).get("serving", {}).get("launcher") == "native" else mutate(text)
+
+
 def add_env(name: str, value: str) -> Mutation:
     return set_(("container", "env", name), value)
 
@@ -301,9 +307,9 @@ CASES = [
     refuse("earlyoom-bad-regex", "policy", set_(("earlyoom", "avoid"), ["(unclosed"]), "earlyoom.avoid"),
     refuse("earlyoom-backslash", "policy", set_(("earlyoom", "prefer"), ["a\\"]), "earlyoom.prefer"),
     refuse("serving-port-ssh", "policy", set_(("serving", "port"), 22), "serving.port"),
-    refuse("serving-port-ray", "policy", set_(("serving", "port"), 6379), "serving.port"),
-    refuse("serving-port-dashboard", "policy", lambda t: set_(("ray", "dashboard"), "localhost")(
-        set_(("serving", "port"), 8265)(t) or t), "serving.port"),
+    refuse("serving-port-ray", "policy", under_ray(set_(("serving", "port"), 6379)), "serving.port"),
+    refuse("serving-port-dashboard", "policy", under_ray(lambda t: set_(("ray", "dashboard"), "localhost")(
+        set_(("serving", "port"), 8265)(t) or t)), "serving.port"),
     refuse("open-endpoint-no-key", "policy", lambda t: set_(("serving", "host"), "0.0.0.0")(
         set_(("serving", "api_key_env"), None)(t) or t), "serving.api_key_env"),
     refuse("gpu-mem-util-above-one", "policy", set_(("serving", "gpu_memory_utilization"), 1.5),
@@ -330,8 +336,9 @@ CASES = [
            "serving.extra_args[0]"),
     refuse("earlyoom-prefer-char-class", "others", set_(("earlyoom", "prefer"), ["[r]ay"]), "earlyoom.prefer[0]"),
     refuse("earlyoom-prefer-escapes-group", "others", set_(("earlyoom", "prefer"), ["a)|(.*"]), "earlyoom.prefer"),
-    refuse("ray-ports-collide", "others", set_(("ray", "node_manager_port"), 6379), "ray"),
-    refuse("ray-worker-range-over-serving", "others", set_(("ray", "min_worker_port"), 8000), "serving.port"),
+    refuse("ray-ports-collide", "others", under_ray(set_(("ray", "node_manager_port"), 6379)), "ray"),
+    refuse("ray-worker-range-over-serving", "others", under_ray(set_(("ray", "min_worker_port"), 8000)),
+           "serving.port"),
     refuse("mtu-below-minimum", "others", set_(("fabric", "mtu"), 575), "fabric.mtu"),
     refuse("tp-not-gpu-count", "others", set_(("serving", "tensor_parallel"), 3), "serving.tensor_parallel"),
     accept("bom-at-start", "others", (), None, "", mutate=lambda t: "\ufeff" + t),

@@ -248,7 +248,7 @@ VALID = [
     (("image", "ref"), "[fd00::1]:5000/a/b__c:V1.2-rc_3"),
     (("image", "digest"), "sha256:" + "0123456789abcdef" * 4),
     (("serving", "speculative_config"), {"method": "mtp", "num_speculative_tokens": 2, "x": [1.5, None, True]}),
-    (("serving", "extra_args"), ["--enable-prefix-caching", "--max-num-batched-tokens", "8192", "--seed", "-1"]),
+    (("serving", "extra_args"), ["--enable-prefix-caching", "--max-num-partial-prefills", "2", "--seed", "-1"]),
     (("serving", "gpu_memory_utilization"), 1),
     (("earlyoom", "prefer"), ["chrom(e|ium)", "firefox", "code", "Web Content".replace(" ", "")]),
     (("serving", "port"), 8265),

@@ -12,4 +12,4 @@ if [ -r /etc/hy3spark/secrets.env ]; then
 fi
 exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
 echo 'hy3spark: starting vllm for hy3-pair (spec fadf3c825a7c)'
-exec vllm serve kodelow/Hy3-NVFP4-W4A16 --revision main --served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 131072 --max-num-seqs 6 --max-num-batched-tokens 8192 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 --speculative-config '{"method":"mtp","num_speculative_tokens":1}' --tool-call-parser hy_v3 --reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager
+exec vllm serve kodelow/Hy3-NVFP4-W4A16 --revision main --served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 131072 --max-num-seqs 6 --max-num-batched-tokens 2048 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 --speculative-config '{"method":"mtp","num_speculative_tokens":1}' --tool-call-parser hy_v3 --reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager

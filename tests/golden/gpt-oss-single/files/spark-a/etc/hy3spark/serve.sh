@@ -12,4 +12,4 @@ if [ -r /etc/hy3spark/secrets.env ]; then
 fi
 exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
 echo 'hy3spark: starting vllm for gptoss-one (spec daddc06209aa)'
-exec vllm serve openai/gpt-oss-120b --revision main --served-model-name gpt-oss-120b --host 127.0.0.1 --port 8888 --tensor-parallel-size 1 --distributed-executor-backend ray --max-model-len 131072 --max-num-seqs 8 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.80 --tool-call-parser openai --reasoning-parser openai_gptoss --enable-auto-tool-choice
+exec vllm serve openai/gpt-oss-120b --revision main --served-model-name gpt-oss-120b --host 127.0.0.1 --port 8888 --tensor-parallel-size 1 --distributed-executor-backend ray --max-model-len 131072 --max-num-seqs 8 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.80 --tool-call-parser openai --reasoning-parser openai_gptoss --enable-auto-tool-choice

@@ -12,4 +12,4 @@ if [ -r /etc/hy3spark/secrets.env ]; then
 fi
 exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
 echo 'hy3spark: starting vllm for llama405-pair (spec 040b9523be08)'
-exec vllm serve hugging-quants/Meta-Llama-3.1-405B-Instruct-AWQ-INT4 --revision main --served-model-name llama-405b --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 8192 --kv-cache-dtype fp8 --gpu-memory-utilization 0.90 --tool-call-parser llama3_json --enable-auto-tool-choice --enforce-eager
+exec vllm serve hugging-quants/Meta-Llama-3.1-405B-Instruct-AWQ-INT4 --revision main --served-model-name llama-405b --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 2048 --kv-cache-dtype fp8 --gpu-memory-utilization 0.90 --tool-call-parser llama3_json --enable-auto-tool-choice --enforce-eager
