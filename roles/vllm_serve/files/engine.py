@@ -1,4 +1,5 @@
-"""The serving engine inside the head container (piped to `docker exec -i <head> python3 - COMMAND ...`).
+"""The serving engine inside a node's container (piped to `docker exec -i <container> python3 - COMMAND ...`): the
+head's, and under a launcher whose ranks each node starts itself (native) every other node's too.
 
 Ray is PID 1 there and the engine is a `docker exec -d` child of nothing we hold, so it is found by its command
 line: the serve script, or the engine process it execs into (HY3SPARK_ENGINE's `process`: an argv word and the
@@ -8,6 +9,7 @@ Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, n
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
   stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
   wait SCRIPT URL TIMEOUT_S LOG LINES         until /health answers 200; stop at once if the engine died
+  ranks SCRIPT LOG LINES                      a node that serves no API: its engine PIDs and its log's last lines
 
 What only one engine needs is not here: it lives beside that engine's task files (files/engines/<engine>/).
 """
@@ -157,9 +159,16 @@ def wait(script: str, url: str, timeout: float, log: str, lines: int) -> dict:
     return report
 
 
+def ranks(script: str, log: str, lines: int) -> dict:
+    pids = engines(script)
+    if not pids:
+        _settle(log)
+    return {"pids": pids, "pid": pids[0] if pids else None, "alive": bool(pids), "log_tail": _tail(log, lines)}
+
+
 def main() -> None:
     cmd, args = sys.argv[1], sys.argv[2:]
-    if cmd in ("status", "stop", "wait") and not ENGINE.get("process"):
+    if cmd in ("status", "stop", "wait", "ranks") and not ENGINE.get("process"):
         # Without it no engine process can be recognised, and "none running" would start a second one: refuse.
         sys.exit("engine.py: HY3SPARK_ENGINE is not set; the role passes hy3spark.engine with docker exec -e")
     if cmd == "status":
@@ -168,6 +177,8 @@ def main() -> None:
         result = stop(args[0], float(args[1]))
     elif cmd == "wait":
         result = wait(args[0], args[1], float(args[2]), args[3], int(args[4]))
+    elif cmd == "ranks":
+        result = ranks(args[0], args[1], int(args[2]))
     else:
         result = {"error": f"unknown command {cmd}"}
     print(json.dumps(result))
