@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,16 @@ def test_the_run_record_names_every_ranks_engine_and_the_idempotent_run_kept_the
     assert record["rank_pids"] == {WORKER: next(iter(engines(WORKER)))}
     assert "--nnodes" in record["argv"]
     assert record["transport"].startswith("NCCL transport"), record["transport"]
+
+
+def test_status_reads_both_nodes_without_ray() -> None:
+    result = playbook(str(REPO / "playbooks/status.yml"))
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert re.search(r"TASK \[Ask Ray for its nodes and GPUs on the head\][^\n]*\n(skipping: \[\S+\]\n)+", out), out
+    assert "health: 200" in out, out
+    for name in NODES:
+        assert f"node: {name}" in out, out
 
 
 # --- faults, each followed by a clean run that recovers --------------------------------------------------------------
