@@ -93,7 +93,7 @@ def test_every_engine_has_its_task_files_and_nothing_else_has_any() -> None:
         assert sorted(p.name for p in (engines / name).iterdir()) == [f"{s}.yml" for s in sorted(STEPS)]
 
 
-def test_the_lifecycle_runs_the_nodes_step_on_every_node_and_the_head_step_before_the_start() -> None:
+def test_the_lifecycle_runs_the_nodes_step_on_every_node_and_the_head_step_before_each_start() -> None:
     def includes(path: Path) -> list[tuple[str, dict, str | None]]:
         tasks = yaml.safe_load(path.read_text())
         return [(t["ansible.builtin.include_tasks"], t.get("vars", {}), t.get("when")) for t in tasks
@@ -101,6 +101,11 @@ def test_the_lifecycle_runs_the_nodes_step_on_every_node_and_the_head_step_befor
 
     assert includes(ROLE / "tasks" / "main.yml") == [
         ("engine.yml", {"__vllm_serve_engine_step": "nodes"}, None),
+        # Under a launcher whose other nodes start their own ranks (native), the head step runs in each of their
+        # containers too: what the engine reads at startup must be the same on every node that starts it.
+        ("engine.yml",
+         {"__vllm_serve_engine_step": "head", "vllm_serve_container": "{{ hy3spark_node.container.name }}"},
+         "inventory_hostname != hy3spark.head and hy3spark_node.serve_argv | length > 0"),
         ("serve.yml", {}, "inventory_hostname == hy3spark.head")]
     serve = yaml.safe_load((ROLE / "tasks" / "serve.yml").read_text())
     names = [t["name"] for t in serve]
