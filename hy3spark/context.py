@@ -74,7 +74,7 @@ class Serving(TypedDict):
     host: str
     port: int
     # What clients use (the Pi config, bench, status from the controller): the bound address, or the head's
-    # fabric address when the engine binds every address.
+    # fabric address when the engine binds every address (with no fabric: its mgmt_ip or ssh_host, else loopback).
     base_url: str
     # What the head itself probes (readiness, the smoke completion, drift's health check): the bound address, or
     # loopback when the engine binds every address. No /v1 suffix: /health sits at the root.
@@ -103,7 +103,7 @@ class Ray(TypedDict):
     port: int
     version: str | None
     dashboard: str
-    address: str
+    address: str | None  # None with no fabric (the native launcher on one machine starts no Ray)
 
 
 class Earlyoom(TypedDict):
@@ -136,7 +136,7 @@ class Group(TypedDict):
     node_order: list[str]
     node_count: int
     gpu_count: int
-    fabric: Fabric
+    fabric: Fabric | None  # None: one machine with no cabled port (the two-card desktop)
     image: Image
     model: Model
     serving: Serving
@@ -173,8 +173,8 @@ class NodeContext(TypedDict):
     name: str
     role: str
     index: int
-    fabric_ip: str
-    fabric_cidr: str
+    fabric_ip: str | None
+    fabric_cidr: str | None
     gpus: int
     mgmt_ip: str | None
     ssh_host: str
@@ -195,22 +195,27 @@ class Context(TypedDict):
 
 def _env_for(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
     """The per-node env file: the settings every engine shares, laid out by the engine around its own."""
-    iface = spec.fabric.interfaces[0]
-    common = {
-        "MASTER_ADDR": str(spec.head.fabric_ip.ip),
-        "NCCL_SOCKET_IFNAME": iface,
-        "GLOO_SOCKET_IFNAME": iface,
-        "TP_SOCKET_IFNAME": iface,
-        "UCX_NET_DEVICES": iface,
-        "OMPI_MCA_btl_tcp_if_include": iface,
-        "NCCL_IB_DISABLE": "0",
+    common: dict[str, str] = {}
+    if spec.fabric is not None and spec.head.fabric_ip is not None:
+        iface = spec.fabric.interfaces[0]
+        common = {
+            "MASTER_ADDR": str(spec.head.fabric_ip.ip),
+            "NCCL_SOCKET_IFNAME": iface,
+            "GLOO_SOCKET_IFNAME": iface,
+            "TP_SOCKET_IFNAME": iface,
+            "UCX_NET_DEVICES": iface,
+            "OMPI_MCA_btl_tcp_if_include": iface,
+            "NCCL_IB_DISABLE": "0",
+        }
+    # With no fabric (one machine) nothing names an interface: the ranks meet over loopback and the PCIe link.
+    common.update({
         "RAY_memory_monitor_refresh_ms": "0",
         "HF_HUB_CACHE": spec.model.cache_dir,
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    })
     env = engine.node_env(node, common)
-    if spec.fabric.hcas:
+    if spec.fabric is not None and spec.fabric.hcas:
         # "=" makes NCCL match the names exactly; both twins of the cabled port give full bandwidth.
         env["NCCL_IB_HCA"] = "=" + ",".join(spec.fabric.hcas)
     if spec.verify_transport:
@@ -223,6 +228,13 @@ def _env_for(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
     return env
 
 
+def _ip(node: Node) -> str:
+    """A node's fabric address, where the rules require one (Ray, several nodes: _check_fabric_presence)."""
+    if node.fabric_ip is None:
+        raise ValueError(f"{node.name} has no fabric_ip")
+    return str(node.fabric_ip.ip)
+
+
 def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
     ray = spec.ray
     argv = ["ray", "start"]
@@ -233,9 +245,9 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
         else:
             argv += ["--include-dashboard=true", "--dashboard-host", "127.0.0.1"]
     else:
-        argv += ["--address", f"{spec.head.fabric_ip.ip}:{ray.port}"]
+        argv += ["--address", f"{_ip(spec.head)}:{ray.port}"]
     argv += [
-        "--node-ip-address", str(node.fabric_ip.ip),
+        "--node-ip-address", _ip(node),
         "--num-gpus", str(node.gpus),
         "--node-manager-port", str(ray.node_manager_port),
         "--object-manager-port", str(ray.object_manager_port),
@@ -342,8 +354,14 @@ def _endpoint(spec: Spec, when_unbound: str) -> str:
 
 
 def client_url(spec: Spec) -> str:
-    """The OpenAI base URL clients use: the bound address, or the head's fabric address when it binds them all."""
-    return _endpoint(spec, str(spec.head.fabric_ip.ip)) + "/v1"
+    """The OpenAI base URL clients use: the bound address, or the head's fabric address when it binds them all
+    (with no fabric: the head's mgmt_ip or ssh_host, else loopback: the desktop the client runs on)."""
+    head = spec.head
+    if head.fabric_ip is not None:
+        reach = str(head.fabric_ip.ip)
+    else:
+        reach = str(head.mgmt_ip) if head.mgmt_ip else head.ssh_host or "127.0.0.1"
+    return _endpoint(spec, reach) + "/v1"
 
 
 def probe_url(spec: Spec) -> str:
@@ -355,7 +373,7 @@ def build_context(loaded: Loaded) -> Context:
     """Everything group-wide (`hy3spark`) and per node (`nodes[name]` -> host var `hy3spark_node`)."""
     spec = loaded.spec
     engine = engine_for(spec)
-    head_ip = str(spec.head.fabric_ip.ip)
+    head_ip = str(spec.head.fabric_ip.ip) if spec.head.fabric_ip else None
     base_url = client_url(spec)
     nodes: dict[str, NodeContext] = {}
     for i, node in enumerate(spec.nodes):
@@ -365,8 +383,8 @@ def build_context(loaded: Loaded) -> Context:
             "name": node.name,
             "role": "head" if head else "worker",
             "index": i,
-            "fabric_ip": str(node.fabric_ip.ip),
-            "fabric_cidr": str(node.fabric_ip),
+            "fabric_ip": str(node.fabric_ip.ip) if node.fabric_ip else None,
+            "fabric_cidr": str(node.fabric_ip) if node.fabric_ip else None,
             "gpus": node.gpus,
             "mgmt_ip": str(node.mgmt_ip) if node.mgmt_ip else None,
             "ssh_host": node.connect_host,
@@ -401,15 +419,7 @@ def build_context(loaded: Loaded) -> Context:
         "node_order": [n.name for n in spec.nodes],
         "node_count": len(spec.nodes),
         "gpu_count": spec.gpu_count,
-        "fabric": {
-            "interfaces": list(spec.fabric.interfaces),
-            "interface": spec.fabric.interfaces[0],
-            "hcas": list(spec.fabric.hcas),
-            "mtu": spec.fabric.mtu,
-            "prefix": spec.head.fabric_ip.network.prefixlen,
-            "subnet": str(spec.head.fabric_ip.network),
-            "head_ip": head_ip,
-        },
+        "fabric": _fabric(spec),
         "image": {
             "ref": spec.image.ref,
             "digest": spec.image.digest,
@@ -455,7 +465,7 @@ def build_context(loaded: Loaded) -> Context:
             "port": spec.ray.port,
             "version": spec.ray.version,
             "dashboard": spec.ray.dashboard,
-            "address": f"{head_ip}:{spec.ray.port}",
+            "address": f"{head_ip}:{spec.ray.port}" if head_ip else None,
         },
         "earlyoom": {
             "policy": spec.earlyoom.policy,
@@ -471,6 +481,20 @@ def build_context(loaded: Loaded) -> Context:
         },
     }
     return {"hy3spark": group, "nodes": nodes}
+
+
+def _fabric(spec: Spec) -> Fabric | None:
+    if spec.fabric is None or spec.head.fabric_ip is None:
+        return None
+    return {
+        "interfaces": list(spec.fabric.interfaces),
+        "interface": spec.fabric.interfaces[0],
+        "hcas": list(spec.fabric.hcas),
+        "mtu": spec.fabric.mtu,
+        "prefix": spec.head.fabric_ip.network.prefixlen,
+        "subnet": str(spec.head.fabric_ip.network),
+        "head_ip": str(spec.head.fabric_ip.ip),
+    }
 
 
 def plan_summary(loaded: Loaded) -> Plan:

@@ -110,8 +110,9 @@ def render_all(loaded: Loaded) -> list[Output]:
                               tpl("inventory/host_vars.yml.j2", hy3spark_node=node)))
     for name, node in nodes.items():
         root = f"files/{name}"
-        outputs.append(Output(f"{root}/etc/netplan/60-hy3spark-fabric.yaml", "netplan",
-                              tpl("netplan-fabric.yaml.j2", hy3spark_node=node), 0o600))
+        if group["fabric"] is not None:  # one machine with no cabled port: nothing for netplan to configure
+            outputs.append(Output(f"{root}/etc/netplan/60-hy3spark-fabric.yaml", "netplan",
+                                  tpl("netplan-fabric.yaml.j2", hy3spark_node=node), 0o600))
         if group["earlyoom"]["policy"] == "protect":
             outputs.append(Output(f"{root}/etc/default/earlyoom", "earlyoom", tpl("earlyoom.j2", hy3spark_node=node)))
         outputs.append(Output(f"{root}/etc/hy3spark/node.env", "env", tpl("node.env.j2", hy3spark_node=node), 0o600))

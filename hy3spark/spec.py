@@ -129,8 +129,8 @@ class Node(SpecModel):
     """One DGX Spark."""
 
     name: NodeName
-    fabric_ip: Annotated[ipaddress.IPv4Interface, Lax, BeforeValidator(_fabric_address)] = Field(
-        description="this node's OWN fabric address with prefix, 10.0.0.1/24")
+    fabric_ip: Annotated[ipaddress.IPv4Interface, Lax, BeforeValidator(_fabric_address)] | None = Field(
+        default=None, description="this node's OWN fabric address with prefix, 10.0.0.1/24; required with a fabric")
     ssh_host: Annotated[str, AfterValidator(grammars.ssh_host)] | None = Field(
         default=None, description="address Ansible connects to; default mgmt_ip, else fabric")
     ssh_user: Annotated[str, AfterValidator(grammars.posix_user)] = "ubuntu"
@@ -143,7 +143,11 @@ class Node(SpecModel):
             return self.ssh_host
         if self.mgmt_ip:
             return str(self.mgmt_ip)
-        return str(self.fabric_ip.ip)
+        if self.fabric_ip:
+            return str(self.fabric_ip.ip)
+        # A node with no address at all is the machine the controller runs on (the desktop): reached on loopback,
+        # or with ansible_connection=local that the operator passes at run time (README, "The desktop").
+        return "127.0.0.1"
 
 
 class Fabric(SpecModel):
@@ -333,7 +337,8 @@ class Spec(SpecModel):
     profile: str | None = None
     head: Node
     workers: list[Node] = Field(default_factory=list)
-    fabric: Fabric
+    # None: one machine with no cabled port (the two-card desktop); the ranks meet inside it.
+    fabric: Fabric | None = None
     image: Image
     model: Model
     serving: Serving
@@ -397,12 +402,14 @@ def _check_nodes(spec: Spec) -> list[Problem]:
     # on is another: fabric_ip, mgmt_ip (its own LAN address even when ssh_host is set) and ssh_host (what Ansible
     # connects to). A node may give its own address twice (ssh_host equal to its mgmt_ip); two nodes never share one.
     seen: dict[tuple[str, str], tuple[int, str]] = {}
-    head_net = spec.head.fabric_ip.network
-    used = {n.fabric_ip.ip for n in spec.nodes}
-    free = (ip for ip in head_net.hosts() if ip not in used)  # one suggestion per duplicate, none twice
+    head_net = spec.head.fabric_ip.network if spec.head.fabric_ip else None
+    used = {n.fabric_ip.ip for n in spec.nodes if n.fabric_ip}
+    free = (ip for ip in (head_net.hosts() if head_net else ()) if ip not in used)  # one per duplicate, none twice
     for i, node in enumerate(spec.nodes):
         path = _node_path(i)
-        keys = [("name", node.name), ("fabric_ip", str(node.fabric_ip.ip))]
+        keys = [("name", node.name)]
+        if node.fabric_ip is not None:
+            keys.append(("fabric_ip", str(node.fabric_ip.ip)))
         if node.mgmt_ip is not None:
             keys.append(("mgmt_ip", str(node.mgmt_ip)))
         if node.ssh_host:
@@ -413,7 +420,7 @@ def _check_nodes(spec: Spec) -> list[Problem]:
             if first == i:
                 continue
             fix = f"each node needs its own {key if key == first_key else kind}"
-            if key == "fabric_ip":
+            if key == "fabric_ip" and head_net is not None:
                 spare = next(free, None)
                 fix += f", for example {spare}/{head_net.prefixlen}" if spare else f"; {head_net} has no free address"
             if key == first_key == "fabric_ip" and first == 0:
@@ -421,23 +428,24 @@ def _check_nodes(spec: Spec) -> list[Problem]:
             else:
                 msg = f"{value!r} is already used by {format_path((*_node_path(first), first_key))}; {fix}"
             problems.append(((*path, key), msg))
-        if i > 0 and node.fabric_ip.ip not in head_net:
-            problems.append(((*path, "fabric_ip"), f"{node.fabric_ip} is not in the head's fabric subnet {head_net}; "
-                                                   "all fabric addresses must share one subnet"))
-        elif i > 0 and node.fabric_ip.network != head_net:
-            problems.append(((*path, "fabric_ip"), f"prefix /{node.fabric_ip.network.prefixlen} differs from the "
-                                                   f"head's /{head_net.prefixlen}; use one prefix on every node"))
-        ip = node.fabric_ip.ip
-        if ip.is_link_local or ip.is_loopback or ip.is_multicast or ip.is_unspecified:
-            problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, loopback "
-                                                   "or multicast); give the port a static private address such as "
-                                                   "10.0.0.1/24"))
-        elif node.fabric_ip.network.prefixlen < 31 and ip in (node.fabric_ip.network.network_address,
-                                                              node.fabric_ip.network.broadcast_address):
-            # A /31 has no network or broadcast address: both are hosts on a point-to-point link (RFC 3021).
-            problems.append(((*path, "fabric_ip"), f"{ip} is the network or broadcast address of "
-                                                   f"{node.fabric_ip.network}"))
-        if node.mgmt_ip is not None and node.mgmt_ip in head_net:
+        if node.fabric_ip is not None and head_net is not None:  # a missing one: _check_fabric_presence
+            if i > 0 and node.fabric_ip.ip not in head_net:
+                problems.append(((*path, "fabric_ip"), f"{node.fabric_ip} is not in the head's fabric subnet "
+                                                       f"{head_net}; all fabric addresses must share one subnet"))
+            elif i > 0 and node.fabric_ip.network != head_net:
+                problems.append(((*path, "fabric_ip"), f"prefix /{node.fabric_ip.network.prefixlen} differs from the "
+                                                       f"head's /{head_net.prefixlen}; use one prefix on every node"))
+            ip = node.fabric_ip.ip
+            if ip.is_link_local or ip.is_loopback or ip.is_multicast or ip.is_unspecified:
+                problems.append(((*path, "fabric_ip"), f"{ip} is not usable as a fabric address (link-local, "
+                                                       "loopback or multicast); give the port a static private "
+                                                       "address such as 10.0.0.1/24"))
+            elif node.fabric_ip.network.prefixlen < 31 and ip in (node.fabric_ip.network.network_address,
+                                                                  node.fabric_ip.network.broadcast_address):
+                # A /31 has no network or broadcast address: both are hosts on a point-to-point link (RFC 3021).
+                problems.append(((*path, "fabric_ip"), f"{ip} is the network or broadcast address of "
+                                                       f"{node.fabric_ip.network}"))
+        if node.mgmt_ip is not None and head_net is not None and node.mgmt_ip in head_net:
             problems.append(((*path, "mgmt_ip"), f"{node.mgmt_ip} is inside the fabric subnet {head_net}; the "
                                                  "management network must be a different subnet"))
         if i > 0 and node.ssh_user != spec.head.ssh_user:
@@ -447,8 +455,39 @@ def _check_nodes(spec: Spec) -> list[Problem]:
     return problems
 
 
+def _check_fabric_presence(spec: Spec) -> list[Problem]:
+    """The fabric is optional only on one machine, and only under a launcher that does not need its address."""
+    problems: list[Problem] = []
+    if spec.fabric is None and spec.multi_node:
+        problems.append((("fabric",), "is required with workers: the ranks on different nodes meet over the cabled "
+                                      "port; name its netdev(s) in fabric.interfaces"))
+    for i, node in enumerate(spec.nodes):
+        if node.fabric_ip is not None:
+            if spec.fabric is None and not spec.multi_node:
+                problems.append(((*_node_path(i), "fabric_ip"), "there is no fabric section to put this address "
+                                                                "on; add fabric (its interfaces) or remove fabric_ip"))
+            continue
+        if spec.multi_node:
+            problems.append(((*_node_path(i), "fabric_ip"), "is required with workers: the ranks meet over the "
+                                                            "fabric, so every node needs its own address on it, "
+                                                            "such as 10.0.0.1/24"))
+        elif spec.fabric is not None:
+            problems.append(((*_node_path(i), "fabric_ip"), "is required when fabric is set: the netplan file puts "
+                                                            "this node's own address (such as 10.0.0.1/24) on "
+                                                            "fabric.interfaces; or remove fabric on a single "
+                                                            "machine"))
+    if spec.fabric is None and not spec.multi_node and spec.serving.launcher != "native":
+        problems.append((("serving", "launcher"), f"{spec.serving.launcher} needs a fabric: Ray starts on the "
+                                                  "node's fabric address (ray start --node-ip-address); with no "
+                                                  "fabric set serving.launcher: native (one machine: vLLM's mp "
+                                                  "executor, no Ray)"))
+    return problems
+
+
 def _check_fabric(spec: Spec) -> list[Problem]:
     problems: list[Problem] = []
+    if spec.fabric is None:
+        return problems
     for i, name in enumerate(spec.fabric.interfaces):
         if name in spec.fabric.hcas or _RDMA_NAME.match(name):
             problems.append((("fabric", "interfaces", i),
@@ -643,8 +682,8 @@ def _check_launcher(spec: Spec) -> list[Problem]:
     return problems
 
 
-_RULES = (_check_secret_refs, _check_nodes, _check_fabric, _check_serving, _check_env, _check_extra_args,
-          _check_earlyoom, _check_launcher)
+_RULES = (_check_secret_refs, _check_nodes, _check_fabric_presence, _check_fabric, _check_serving, _check_env,
+          _check_extra_args, _check_earlyoom, _check_launcher)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -872,10 +911,10 @@ def parse_spec(text: str, source: str, sha256: str | None = None) -> Loaded:
     if not _SHA.match(spec.model.revision):
         warnings.append(f"{where(('model', 'revision'))}model.revision: {spec.model.revision!r} is not a commit sha; "
                         "a branch or tag can move under you: pin the 40-character sha the hub shows")
-    if spec.multi_node and len(spec.fabric.hcas) == 1:
+    if spec.multi_node and spec.fabric is not None and len(spec.fabric.hcas) == 1:
         warnings.append(f"{where(('fabric', 'hcas'))}fabric.hcas: only one RoCE device listed; a cabled Spark port has "
                         "two twins (e.g. rocep1s0f1,roceP2p1s0f1) and NCCL runs at about half speed on one")
-    if spec.multi_node and spec.fabric.mtu < 9000:
+    if spec.multi_node and spec.fabric is not None and spec.fabric.mtu < 9000:
         warnings.append(f"{where(('fabric', 'mtu'))}fabric.mtu: {spec.fabric.mtu} is below 9000; RoCE throughput "
                         "drops with standard frames")
     if spec.serving.open_endpoint and not spec.serving.host.is_loopback:

@@ -9,6 +9,7 @@ Two directions, so that neither side can drift alone:
 from __future__ import annotations
 
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,10 @@ def undeclared(var: str, segments: list[str], fqcn: set[str]) -> str | None:
         return None if segments[1] in fqcn else f"hy3spark.cluster.{segments[1]} names nothing in the collection"
     hint: Any = Group if var == "hy3spark" else NodeContext
     for i, seg in enumerate(segments):
+        if typing.get_origin(hint) is typing.Union or isinstance(hint, types.UnionType):
+            # An optional section (`hy3spark.fabric`: None without a fabric): its keys are read where it is set.
+            section = [a for a in typing.get_args(hint) if is_typeddict(a)]
+            hint = section[0] if section else hint
         if is_typeddict(hint):
             hints = typing.get_type_hints(hint)
             if seg not in hints:

@@ -382,9 +382,17 @@ def test_the_rendered_serve_command_parses_and_passes_vllms_checks(
         assert (namespace["nnodes"], namespace["master_addr"], namespace["master_port"]) == (2, "10.0.0.1", 29501)
         assert namespace["node_rank"] == (1 if " on " in spec else 0)
         assert namespace["headless"] is (" on " in spec)
+    elif flag_value(argv, "--distributed-executor-backend") == "mp":
+        # The native launcher on one machine (the two-card desktop): the mp executor, no rendezvous flags.
+        assert namespace["nnodes"] == 1 and not namespace["headless"]
+        assert namespace["tensor_parallel_size"] * namespace["pipeline_parallel_size"] == 2
     else:
         assert namespace["distributed_executor_backend"] == "ray"
     assert namespace["tool_call_parser"] in DATA["tool_call_parsers"]
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
 # --- errors and the rewriting beyond the probes -------------------------------------------------------------------

@@ -40,8 +40,9 @@ def _netplan() -> str:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_netplan_file_passes_netplan_generate(name: str, tmp_path: Path) -> None:
-    netplans = [o for o in render_all(load_spec(CASES[name])) if o.kind == "netplan"]
-    assert netplans
+    loaded = load_spec(CASES[name])
+    netplans = [o for o in render_all(loaded) if o.kind == "netplan"]
+    assert bool(netplans) is (loaded.spec.fabric is not None), "a netplan file exactly when the spec has a fabric"
     for out in netplans:
         root = tmp_path / out.path.split("/")[1]
         target = root / "etc/netplan/60-hy3spark-fabric.yaml"

@@ -75,6 +75,7 @@ def _variations() -> dict[str, str]:
     """Specs a user could write that no example covers, derived from the examples."""
     pair = yaml.safe_load((REPO / "examples" / "hy3-two-spark.yml").read_text())
     single = yaml.safe_load((REPO / "examples" / "gpt-oss-single.yml").read_text())
+    desktop = yaml.safe_load((REPO / "examples" / "two-card-tp.yml").read_text())
 
     def worker(letter: str, index: int) -> dict[str, Any]:
         return {"name": f"spark-{letter}", "fabric_ip": f"10.0.0.{index}/24", "mgmt_ip": f"192.168.1.{9 + index}",
@@ -124,6 +125,11 @@ def _variations() -> dict[str, str]:
         "native-single-two-gpus-pp2": vary(single, head={**single["head"], "gpus": 2},
                                            serving={"launcher": "native", "tensor_parallel": 1,
                                                     "pipeline_parallel": 2}),
+        # No fabric (one machine): the client URL is the node's mgmt_ip, else its ssh_host, else loopback.
+        "desktop-binds-all-mgmt": vary(desktop, head={"name": "desk", "mgmt_ip": "192.168.1.50", "gpus": 2},
+                                       serving={"host": "0.0.0.0", "api_key_env": "VLLM_API_KEY"}),
+        "desktop-binds-all-no-address": vary(desktop, head={"name": "desk", "gpus": 2},
+                                             serving={"host": "0.0.0.0", "api_key_env": "VLLM_API_KEY"}),
         "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "HY3SPARK_SOLO_KEY"},
                                earlyoom={"policy": "stop"}),
     }
@@ -156,16 +162,16 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Node:
     name: str
-    ip: str  # the fabric address without prefix
-    cidr: str
-    connect: str  # where Ansible connects: ssh_host, else mgmt_ip, else the fabric address
+    ip: str | None  # the fabric address without prefix; None with no fabric (one machine)
+    cidr: str | None
+    connect: str  # where Ansible connects: ssh_host, else mgmt_ip, else the fabric address, else 127.0.0.1
     ssh_user: str
     gpus: int
     head: bool
 
     @property
     def addresses(self) -> set[str]:
-        return {self.ip, self.connect}
+        return {a for a in (self.ip, self.connect) if a}
 
 
 @dataclass(frozen=True)
@@ -186,8 +192,12 @@ class Expect:
         return value
 
     @property
+    def fabric(self) -> bool:
+        return self.spec.get("fabric") is not None
+
+    @property
     def interfaces(self) -> list[str]:
-        return list(self.spec["fabric"]["interfaces"])
+        return list(self.spec["fabric"]["interfaces"]) if self.fabric else []
 
     @property
     def hcas(self) -> list[str]:
@@ -215,10 +225,10 @@ def expect(case: Case) -> Expect:
         spec = _merge(profile, spec)
     nodes = []
     for i, raw in enumerate([spec["head"], *spec.get("workers", [])]):
-        cidr = ipaddress.IPv4Interface(raw["fabric_ip"])
-        connect = raw.get("ssh_host") or raw.get("mgmt_ip") or str(cidr.ip)
-        nodes.append(Node(raw["name"], str(cidr.ip), str(cidr), str(connect), raw.get("ssh_user", "ubuntu"),
-                          raw.get("gpus", 1), i == 0))
+        cidr = ipaddress.IPv4Interface(raw["fabric_ip"]) if raw.get("fabric_ip") else None
+        connect = raw.get("ssh_host") or raw.get("mgmt_ip") or (str(cidr.ip) if cidr else "127.0.0.1")
+        nodes.append(Node(raw["name"], str(cidr.ip) if cidr else None, str(cidr) if cidr else None, str(connect),
+                          raw.get("ssh_user", "ubuntu"), raw.get("gpus", 1), i == 0))
     return Expect(spec, nodes)
 
 
@@ -313,6 +323,7 @@ def test_the_cases_cover_what_the_invariants_branch_on() -> None:
     exps = [expect(c) for c in CASES.values()]
     assert {e.get("earlyoom.policy", "protect") for e in exps} == {"protect", "stop", "leave"}
     assert {len(e.nodes) for e in exps} >= {1, 2, 3, 4, 5}
+    assert {e.fabric for e in exps} == {True, False}, "specs with and without a fabric"
     assert {e.get("serving.host", DEFAULT_HOST) for e in exps} >= {"0.0.0.0", "127.0.0.1", "192.168.1.10", "10.0.0.1"}
     assert {e.api_key_env for e in exps} >= {None, "VLLM_API_KEY", "HY3SPARK_SERVE_KEY"}
     assert {e.token_env for e in exps} >= {None, "HF_TOKEN", "HY3SPARK_HUB_TOKEN"}
@@ -348,7 +359,7 @@ def test_secrets_and_per_node_settings_stay_off_the_workers(name: str) -> None:
     assert not missing_secrets, f"secrets the serve script exports would be copied to every worker: {missing_secrets}"
 
     envs = {n.name: node_env(r, n.name) for n in ex.nodes}
-    per_node = {"VLLM_HOST_IP"}
+    per_node = {"VLLM_HOST_IP"} if ex.fabric else set()  # no fabric: no node address is set at all
     for env in envs.values():
         for key, value in env.items():
             named_devices = set(re.split(r"[=,:\s]+", value)) & {*ex.interfaces, *ex.hcas}
@@ -356,7 +367,8 @@ def test_secrets_and_per_node_settings_stay_off_the_workers(name: str) -> None:
             if named_devices or differs:
                 per_node.add(key)
     assert per_node - set(listed) == set(), "per-node settings the head would impose on its workers"
-    assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= per_node, "the oracle must see the socket interfaces"
+    if ex.fabric:
+        assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= per_node, "the oracle must see the socket interfaces"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -371,6 +383,14 @@ def test_no_secret_value_reaches_any_rendered_file(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_each_node_env_is_its_own(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
+    if not ex.fabric:  # one machine: nothing names an interface or an address; the ranks meet over loopback
+        for node in ex.nodes:
+            env = node_env(r, node.name)
+            fabric_keys = {k for k in env if k in ("VLLM_HOST_IP", "MASTER_ADDR", "UCX_NET_DEVICES")
+                           or k.endswith("_SOCKET_IFNAME") or k.startswith(("NCCL_IB_", "OMPI_MCA_"))}
+            assert not fabric_keys, f"{node.name}: fabric settings without a fabric: {fabric_keys}"
+            assert env["HF_HUB_OFFLINE"] == "1" and r.modes[f"files/{node.name}/etc/hy3spark/node.env"] == 0o600
+        return
     iface = ex.interfaces[0]
     own_ips = []
     for node in ex.nodes:
@@ -399,6 +419,9 @@ def test_each_node_env_is_its_own(name: str) -> None:
 def test_netplan_configures_the_fabric_port_and_nothing_else(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
     mtu = ex.get("fabric.mtu", DEFAULT_MTU)
+    if not ex.fabric:
+        assert not [p for p in r.files if "/etc/netplan/" in p], "no fabric: nothing for netplan to configure"
+        return
     for node in ex.nodes:
         path = f"files/{node.name}/etc/netplan/60-hy3spark-fabric.yaml"
         plan = yaml.safe_load(r.files[path])
@@ -456,7 +479,11 @@ def test_pi_points_at_the_heads_api_with_the_served_name(name: str) -> None:
     assert (url.scheme, url.port, url.path) == ("http", port, "/v1")
     if ipaddress.IPv4Address(host).is_unspecified:
         workers = set().union(*(n.addresses for n in ex.nodes if not n.head))
-        assert url.hostname in ex.head.addresses - workers, f"{url.hostname} is not the head's address"
+        if ex.fabric:
+            assert url.hostname in ex.head.addresses - workers, f"{url.hostname} is not the head's address"
+        else:  # the head's LAN address first (what a client elsewhere reaches), then ssh_host, else loopback
+            head = ex.spec["head"]
+            assert url.hostname == (head.get("mgmt_ip") or head.get("ssh_host") or "127.0.0.1")
     else:
         assert url.hostname == host, "the endpoint listens on serving.host only"
     assert entry["apiKey"] == (ex.api_key_env or "none"), "Pi reads the key from the variable named here"
@@ -518,14 +545,18 @@ def test_group_vars_hold_the_specs_cluster_in_order(name: str) -> None:
     assert cluster["node_order"] == [n.name for n in ex.nodes]
     assert cluster["head"] == ex.head.name and cluster["workers"] == [n.name for n in ex.nodes[1:]]
     assert cluster["node_count"] == len(ex.nodes) and cluster["gpu_count"] == sum(n.gpus for n in ex.nodes)
-    assert cluster["fabric"]["interfaces"] == ex.interfaces
-    assert cluster["fabric"]["mtu"] == ex.get("fabric.mtu", DEFAULT_MTU)
-    assert cluster["fabric"]["head_ip"] == ex.head.ip
+    if ex.fabric:
+        assert cluster["fabric"]["interfaces"] == ex.interfaces
+        assert cluster["fabric"]["mtu"] == ex.get("fabric.mtu", DEFAULT_MTU)
+        assert cluster["fabric"]["head_ip"] == ex.head.ip
+    else:
+        assert cluster["fabric"] is None, "the roles read `hy3spark.fabric is none` as: no fabric to configure"
     serving = cluster["serving"]
     assert serving["served_name"] == ex.spec["serving"]["served_name"]
     assert serving["port"] == ex.get("serving.port", DEFAULT_PORT)
     assert serving["api_key_env"] == ex.api_key_env and cluster["model"]["token_env"] == ex.token_env
-    assert cluster["ray"]["address"] == f"{ex.head.ip}:{ex.get('ray.port', DEFAULT_RAY_PORT)}"
+    assert cluster["ray"]["address"] == (f"{ex.head.ip}:{ex.get('ray.port', DEFAULT_RAY_PORT)}" if ex.fabric
+                                         else None)
     assert cluster["earlyoom"]["policy"] == ex.get("earlyoom.policy", "protect")
     for node in ex.nodes:
         own = yaml.safe_load(r.files[f"inventory/host_vars/{node.name}.yml"])["hy3spark_node"]
@@ -633,8 +664,9 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
     """`--out` writes the files `render` shows, with their modes, plus its manifest; nothing else and no other
     node's files (a removed worker leaves nothing behind)."""
     ex, r = expect(CASES[name]), rendered(name)
-    per_node = {"etc/netplan/60-hy3spark-fabric.yaml": 0o600, "etc/hy3spark/node.env": 0o600,
-                "container.json": 0o644, "docker-run.sh": 0o755}
+    per_node = {"etc/hy3spark/node.env": 0o600, "container.json": 0o644, "docker-run.sh": 0o755}
+    if ex.fabric:
+        per_node["etc/netplan/60-hy3spark-fabric.yaml"] = 0o600
     if ex.get("earlyoom.policy", "protect") == "protect":
         per_node["etc/default/earlyoom"] = 0o644
     head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json": 0o644}

@@ -833,3 +833,87 @@ def test_native_on_one_machine_binds_loopback_unless_told() -> None:
     # A pair, or Ray on one node, keeps the default of every address (with its API key).
     assert str(parse_spec(single_text(), "c").spec.serving.host) == "0.0.0.0"
     assert str(parse_spec(spec_text(serving={"launcher": "native"}), "c").spec.serving.host) == "0.0.0.0"
+
+
+# --- no fabric: one machine, no cabled port (the two-card desktop) -------------------------------------------------
+def desktop_text(**over: Any) -> str:
+    """One node, two GPUs, no fabric section and no fabric_ip, the native launcher; `over` as in spec_text."""
+    data = copy.deepcopy(BASE)
+    data.pop("workers")
+    data.pop("fabric")
+    data["head"] = {"name": "desk", "ssh_user": "ops", "gpus": 2}
+    data["serving"].update(launcher="native")
+    for key, value in over.items():
+        if value is None:
+            data.pop(key, None)
+        elif isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = deep_merge(data[key], value)
+        else:
+            data[key] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def test_one_machine_needs_no_fabric_and_is_reached_on_loopback() -> None:
+    spec = parse_spec(desktop_text(), "c").spec
+    assert spec.fabric is None and spec.head.fabric_ip is None
+    assert spec.head.connect_host == "127.0.0.1"  # no address at all: the machine the controller runs on
+    assert str(spec.serving.host) == "127.0.0.1"
+
+
+def test_workers_need_the_fabric_where_the_ranks_meet() -> None:
+    text = spec_text(fabric=None)
+    assert only_problem(text) == (
+        "cluster.yml: fabric: is required with workers: the ranks on different nodes meet over the cabled port; "
+        "name its netdev(s) in fabric.interfaces")
+
+
+def test_workers_need_every_nodes_fabric_address() -> None:
+    text = spec_text(workers=[{"name": "spark-b", "ssh_user": "ops", "mgmt_ip": "192.168.1.11"}])
+    assert only_problem(text) == (
+        f"{at(text, 'spark-b')} workers[0].fabric_ip: is required with workers: the ranks meet over the fabric, so "
+        "every node needs its own address on it, such as 10.0.0.1/24")
+    head_only = spec_text(head={"name": "spark-a", "ssh_user": "ops"})
+    data = yaml.safe_load(head_only)
+    data["head"].pop("fabric_ip")
+    text = yaml.safe_dump(data, sort_keys=False)
+    assert only_problem(text).endswith("head.fabric_ip: is required with workers: the ranks meet over the fabric, "
+                                       "so every node needs its own address on it, such as 10.0.0.1/24")
+
+
+def test_a_fabric_needs_the_nodes_address_on_it() -> None:
+    text = desktop_text(fabric={"interfaces": ["enp1s0f1np1"]})
+    assert only_problem(text).endswith(
+        "head.fabric_ip: is required when fabric is set: the netplan file puts this node's own address (such as "
+        "10.0.0.1/24) on fabric.interfaces; or remove fabric on a single machine")
+
+
+def test_a_fabric_address_needs_a_fabric() -> None:
+    text = desktop_text(head={"name": "desk", "ssh_user": "ops", "gpus": 2, "fabric_ip": "10.0.0.1/24"})
+    assert only_problem(text).endswith(
+        "head.fabric_ip: there is no fabric section to put this address on; add fabric (its interfaces) or remove "
+        "fabric_ip")
+
+
+def test_no_fabric_needs_the_native_launcher() -> None:
+    text = desktop_text(serving={"launcher": "ray", "host": "127.0.0.1"})
+    assert only_problem(text) == (
+        f"{at(text, 'launcher')} serving.launcher: ray needs a fabric: Ray starts on the node's fabric address (ray "
+        "start --node-ip-address); with no fabric set serving.launcher: native (one machine: vLLM's mp executor, "
+        "no Ray)")
+
+
+@pytest.mark.parametrize("example", ["two-card-tp", "two-card-pp"])
+def test_the_desktop_examples_differ_only_in_the_split(example: str) -> None:
+    root = Path(__file__).resolve().parent.parent / "examples"
+    tp, pp = (yaml.safe_load((root / f"two-card-{s}.yml").read_text()) for s in ("tp", "pp"))
+    assert {k: v for k, v in tp.items() if k not in ("name", "serving")} == {
+        k: v for k, v in pp.items() if k not in ("name", "serving")}
+    split = {"tensor_parallel", "pipeline_parallel"}
+    assert {k: v for k, v in tp["serving"].items() if k not in split} == {
+        k: v for k, v in pp["serving"].items() if k not in split}
+    assert (tp["serving"]["tensor_parallel"], tp["serving"]["pipeline_parallel"]) == (2, 1)
+    assert (pp["serving"]["tensor_parallel"], pp["serving"]["pipeline_parallel"]) == (1, 2)
+    spec = load_spec(root / f"{example}.yml").spec
+    assert spec.fabric is None and spec.gpu_count == 2 and spec.serving.launcher == "native"
+    described = profile_description("qwen3-32b-awq-two-card")
+    assert "a 70B AWQ" in described and "does not fit at useful context on 2x24 GB" in described

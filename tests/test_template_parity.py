@@ -69,7 +69,11 @@ def _spec_for(profile: str) -> dict[str, object]:
         "head": {"name": "spark-a", "fabric_ip": "10.0.0.1/24", "ssh_user": "ubuntu"},
         "fabric": {"interfaces": ["enp1s0f1np1"], "hcas": ["rocep1s0f1", "roceP2p1s0f1"], "mtu": 9000},
     }
-    if ranks > 1:
+    if serving.get("launcher") == "native":
+        # A one-machine profile (the two-card desktop): every rank on one node, no fabric.
+        spec["head"] = {"name": "desk", "ssh_user": "ubuntu", "gpus": ranks}
+        del spec["fabric"]
+    elif ranks > 1:
         spec["workers"] = [{"name": f"spark-{chr(ord('a') + i)}", "fabric_ip": f"10.0.0.{i + 1}/24",
                             "ssh_user": "ubuntu"} for i in range(1, ranks)]
     return spec

@@ -30,6 +30,8 @@ class VllmEngine:
         VLLM_CONFIG_ROOT holds ray_non_carry_over_env_vars.json (the vllm_serve role writes it)."""
         from hy3spark.context import VLLM_CONFIG_ROOT  # the context imports the engines
 
+        if node.fabric_ip is None:  # one machine, no fabric: the ranks meet on loopback, vLLM's own default
+            return {**common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
         return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
 
     @staticmethod
@@ -74,6 +76,8 @@ class VllmEngine:
         argv = ["--distributed-executor-backend", "mp"]
         port = master_port(self.spec)
         if port is not None:
+            # Several nodes: the spec rules require the fabric there (_check_fabric_presence).
+            assert self.spec.head.fabric_ip is not None
             argv += ["--nnodes", str(len(self.spec.nodes)), "--node-rank", "0",
                      "--master-addr", str(self.spec.head.fabric_ip.ip), "--master-port", str(port)]
         return argv

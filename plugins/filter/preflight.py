@@ -148,6 +148,17 @@ def fabric(probe: Mapping[str, Any], node: str, interface: str, cidr: str, mtu: 
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# No fabric in the spec (one machine, no cabled port): the fabric checks are skipped, and say so
+# ---------------------------------------------------------------------------------------------------------------
+NO_FABRIC = "no fabric in the spec"
+
+
+def no_fabric(node: str) -> list[Row]:
+    return [row(node, check, "skip", "a fabric port (spec fabric section)", NO_FABRIC)
+            for check in ("interface", "address", "mtu", "hca")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Ping over the fabric, plain and don't-fragment at MTU-28
 # ---------------------------------------------------------------------------------------------------------------
 _RECEIVED = re.compile(r"(\d+) packets transmitted, (\d+) received")
@@ -800,6 +811,7 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "preflight_fabric": fabric,
+            "preflight_no_fabric": no_fabric,
             "preflight_ping": ping,
             "preflight_ssh": ssh,
             "preflight_docker": docker,

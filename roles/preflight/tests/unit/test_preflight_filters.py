@@ -69,6 +69,13 @@ def test_fabric_all_pass():
     assert by(rows, "address")["found"] == "10.0.0.1/24"
 
 
+def test_no_fabric_skips_the_fabric_checks_and_never_passes_them():
+    rows = pf.no_fabric("desk")
+    assert [r["check"] for r in rows] == ["interface", "address", "mtu", "hca"]
+    assert {r["status"] for r in rows} == {"skip"} and {r["found"] for r in rows} == {"no fabric in the spec"}
+    assert pf.FilterModule().filters()["preflight_no_fabric"] is pf.no_fabric
+
+
 def test_fabric_missing_interface_names_where_the_address_is():
     rows = pf.fabric(ip_probe(iplink("eth0")), "spark-a", "eth1", "10.0.0.1/24", 9000)
     iface = by(rows, "interface")
