@@ -36,7 +36,9 @@ PROCESSES = (
     "for p in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
     "    try: argv = open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace').split('\\0')\n"
     "    except OSError: continue\n"
-    "    out.append([p, [a for a in argv if a]])\n"
+    "    try: ppid = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+    "    except (OSError, IndexError, ValueError): ppid = 0\n"
+    "    out.append([p, ppid, [a for a in argv if a]])\n"
     "print(json.dumps(out))\n"
 )
 
@@ -45,15 +47,18 @@ def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple
     return scenario.api(HEAD, path, body, key or "")
 
 
-def processes(name: str) -> list[tuple[int, list[str]]]:
+def processes(name: str) -> list[tuple[int, int, list[str]]]:
+    """(pid, parent pid, argv) of every process in the node's container."""
     out = node(name).check_output("docker exec %s python3 -c %s", CONTAINER[name], PROCESSES)
-    return [(pid, argv) for pid, argv in json.loads(out)]
+    return [(pid, ppid, argv) for pid, ppid, argv in json.loads(out)]
 
 
 def engines(name: str) -> dict[int, list[str]]:
-    """`vllm serve` processes of the node (the engine itself; not the serve script's shell or its log tee)."""
-    return {pid: argv for pid, argv in processes(name)
-            if any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))}
+    """The node's `vllm serve` (the engine itself: not the serve script's shell, its log tee, or the rank processes
+    it forks, which keep its command line)."""
+    found = {pid: (ppid, argv) for pid, ppid, argv in processes(name)
+             if any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))}
+    return {pid: argv for pid, (ppid, argv) in found.items() if ppid not in found}
 
 
 def run_record() -> dict:
@@ -101,7 +106,7 @@ def test_no_ray_anywhere_and_each_container_holds_its_node() -> None:
         rendered = json.loads((RENDERED / "files" / name / "container.json").read_text())
         assert info["Config"]["Cmd"] == rendered["command"] == ["sleep", "infinity"]
         assert info["HostConfig"]["NetworkMode"] == "host"
-        titles = [argv for _pid, argv in processes(name)]
+        titles = [argv for _pid, _ppid, argv in processes(name)]
         assert not [a for a in titles if a and os.path.basename(a[0]) in ("ray", "raylet", "gcs_server")], titles
         assert not [a for a in titles if "ray" in " ".join(a).split("/")[-1].split()[:1]], titles
 
@@ -224,7 +229,8 @@ def test_a_rank_that_dies_takes_the_engine_down_and_a_rerun_restarts_every_node(
     node(WORKER).check_output(f"docker exec {CONTAINER[WORKER]} kill -9 {worker_pid}")
     code, out = converge()
     assert code == 0, out
-    assert f"the engine is not running on {WORKER}" in flat(out) or "no engine is running" in flat(out), out
+    assert re.search(f"\\(re\\)starting the engine: (the engine is not running on {WORKER}|no engine is running)",
+                     flat(out)), out
     after = run_record()
     assert after["engine_pid"] != before["engine_pid"]
     assert after["rank_pids"][WORKER] not in (None, worker_pid)
