@@ -105,7 +105,8 @@ def test_the_lifecycle_runs_the_nodes_step_on_every_node_and_the_head_step_befor
         # containers too: what the engine reads at startup must be the same on every node that starts it.
         ("engine.yml",
          {"__vllm_serve_engine_step": "head", "vllm_serve_container": "{{ hy3spark_node.container.name }}"},
-         "inventory_hostname != hy3spark.head and hy3spark_node.serve_argv | length > 0"),
+         "inventory_hostname != hy3spark.head and hy3spark_node.serve_argv | length > 0 "
+         "and (__vllm_serve_own_info.container | default({}, true)).State.Running | default(false)"),
         ("serve.yml", {}, "inventory_hostname == hy3spark.head")]
     serve = yaml.safe_load((ROLE / "tasks" / "serve.yml").read_text())
     names = [t["name"] for t in serve]
