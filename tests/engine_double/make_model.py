@@ -7,14 +7,16 @@
 
 huggingface_hub's ``snapshot_download(repo, revision=<commit or "main">, local_files_only=True)`` resolves it, as
 vLLM does in offline mode. The shapes are real (preset ``hy3``: Hy3's 80 layers + 1 MTP layer, 8 KV heads,
-head_dim 128; ``gpt-oss``: gpt-oss-120b's 36 layers alternating sliding-window and full attention; ``small``: a
-4-layer toy), the weights are a few bytes per shard, and the safetensors index carries the checkpoint size of
-hy3spark's profile for that model (``--total-size``; 181 GB for hy3, 65.3 GB for gpt-oss). The double prints the
+head_dim 128; ``gpt-oss``: gpt-oss-120b's 36 layers alternating sliding-window and full attention;
+``qwen3-32b``: Qwen3-32B-AWQ's 64 layers, 8 KV heads; ``small``: a 4-layer toy), the weights are a few bytes per
+shard, and the safetensors index carries the checkpoint size of hy3spark's profile for that model
+(``--total-size``; 181 GB for hy3, 65.3 GB for gpt-oss, 19.3 GB for qwen3-32b). The double prints the
 KV cache lines vLLM 0.23.0 recorded for a configuration (src/vllm/double/kv.py), and with those sizes and the fake
 GPU's defaults the profiles' own configurations land on vLLM's profile vectors (Hy3 TP2 + MTP, fp8 KV:
 ``hy3-profile-gb10-nvml-unsupported``; gpt-oss-120b TP1: ``gptoss120b-profile-gb10-nvml-unsupported``). vLLM has no
-vector for the ``small`` toy: the double refuses to start an engine on it (fine for tests that only need a model on
-disk).
+vector for the ``small`` toy, nor for ``qwen3-32b``: the double refuses to
+start an engine on them (fine for tests that only need a model on disk) unless ``VLLM_DOUBLE_KV_UNRECORDED=skip``
+lets it serve without KV cache lines.
 The tokenizer config carries Hy3's suffixed special tokens (``<tool_calls:opensource>`` ...) and ``token_suffix``
 unless ``--bare-tokens`` is given.
 
@@ -63,6 +65,27 @@ PRESETS = {
         "torch_dtype": "bfloat16",
         "vocab_size": 201088,
     },
+    # Qwen/Qwen3-32B-AWQ's config.json (the two-card desktop profile qwen3-32b-awq-two-card): 64 layers, 64
+    # attention heads, 8 KV heads, head_dim 128, 40960 positions, float16 around the 4-bit AWQ weights.
+    "qwen3-32b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "torch_dtype": "float16",
+        "vocab_size": 151936,
+        "quantization_config": {
+            "bits": 4,
+            "group_size": 128,
+            "quant_method": "awq",
+            "version": "gemm",
+            "zero_point": True,
+        },
+    },
     "small": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -77,7 +100,12 @@ PRESETS = {
     },
 }
 # The profiles' model.size_bytes (hy3spark/profiles/): with the fake GPU's defaults they give the vectors' memory.
-DEFAULT_TOTAL_SIZE = {"hy3": 181_000_000_000, "gpt-oss": 65_300_000_000, "small": 100_000_000}
+DEFAULT_TOTAL_SIZE = {
+    "hy3": 181_000_000_000,
+    "gpt-oss": 65_300_000_000,
+    "qwen3-32b": 19_300_000_000,
+    "small": 100_000_000,
+}
 SPECIAL = ("think", "tool_calls", "tool_call", "tool_sep", "arg_key", "arg_value")
 
 

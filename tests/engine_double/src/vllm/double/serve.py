@@ -12,7 +12,8 @@ Environment knobs (all optional; VLLM_* names are copied to the Ray workers like
 ``VLLM_DOUBLE_PG_TIMEOUT_S`` (placement group wait, default 20), ``VLLM_DOUBLE_LOAD_DELAY_S`` (pretend weight
 loading, default 0), ``VLLM_DOUBLE_HEALTH_INTERVAL_S`` (worker liveness check, default 5), ``VLLM_DOUBLE_LOCAL_GPUS``
 (GPUs on this node for the mp/uni executors, default 1), ``VLLM_DOUBLE_DISTRIBUTED_TIMEOUT_S`` (the native
-launcher's rendezvous wait, default 600; native.py), plus the fake GPU (kv.py) and the delays (server.py).
+launcher's rendezvous wait, default 600; native.py), ``VLLM_DOUBLE_KV_UNRECORDED`` (``skip``: a configuration
+without a recorded KV vector starts without KV lines; kv.py), plus the fake GPU (kv.py) and the delays (server.py).
 """
 
 from __future__ import annotations
@@ -189,12 +190,13 @@ class LocalExecutor:
 
 def kv_cache_report(vector: kv.Vector) -> None:
     """What vLLM logged while sizing the KV cache (get_kv_cache_configs), then its error if it raised one."""
-    log.info(
-        "kv_cache_utils.py:0",
-        f"hy3spark TEST DOUBLE: KV cache outcome recorded from vLLM {kv.table()['vllm_version']} for this "
-        f"configuration (vector {vector.id} of {kv.FIXTURE})",
-        E,
-    )
+    if vector.id != kv.UNRECORDED:
+        log.info(
+            "kv_cache_utils.py:0",
+            f"hy3spark TEST DOUBLE: KV cache outcome recorded from vLLM {kv.table()['vllm_version']} for this "
+            f"configuration (vector {vector.id} of {kv.FIXTURE})",
+            E,
+        )
     for level, message in vector.log:
         where = "kv_cache_utils.py:1734" if message.startswith("Maximum concurrency") else "kv_cache_utils.py:1733"
         log.line(where, message, level, E)
@@ -249,7 +251,10 @@ def start_engine(
         executor.call("load_model", model.tag, args.revision, _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0))
         executor.call("log_model_loading", memory.weights_per_rank, time.monotonic() - load_started)
     available = executor.call("determine_available_memory", memory)
-    vector = kv.lookup(config, available)
+    try:
+        vector = kv.lookup(config, available)
+    except kv.NoVector as missing:
+        vector = kv.unrecorded(missing)
     kv_cache_report(vector)
     executor.collect_reports()
     log.info(
