@@ -287,6 +287,9 @@ def run_playbook(
     reports: list[Report] = []
     diffs: list[str] = []
     play_starts: list[tuple[str, float]] = []
+    # Plays in which a task ran on some host. A play whose every task was skipped (the launcher the spec did not
+    # choose, in site.yml) is not a phase of the run; the drift check's own argument validation does not count.
+    ran: set[str] = set()
 
     def on_event(ev: dict[str, Any]) -> bool:
         kind = ev.get("event", "")
@@ -294,6 +297,9 @@ def run_playbook(
         play = data.get("play", "")
         if kind == "playbook_on_play_start":
             play_starts.append((play, time.monotonic()))
+        if (kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable")
+                and not str(data.get("task", "")).startswith("Validating arguments against arg spec")):
+            ran.add(play)
         res = data.get("res", {}) if isinstance(data.get("res"), dict) else {}
         if kind in ("runner_on_failed", "runner_on_unreachable") and not data.get("ignore_errors"):
             msg, tail = _message(res)
@@ -335,7 +341,8 @@ def run_playbook(
     phases: dict[str, float] = {}
     for i, (name, t0) in enumerate(play_starts):
         t1 = play_starts[i + 1][1] if i + 1 < len(play_starts) else end
-        phases[name] = round(phases.get(name, 0.0) + (t1 - t0), 2)
+        if name in ran:
+            phases[name] = round(phases.get(name, 0.0) + (t1 - t0), 2)
     return RunResult(playbook, runner.status, runner.rc, private, failures, runner.stats or {}, phases,
                      round(end - start, 2), results, reports, diffs)
 
