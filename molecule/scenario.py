@@ -61,6 +61,48 @@ def api(host: str, path: str, body: dict | None = None, key: str = "") -> tuple[
     return int(status), json.loads(text or "{}")
 
 
+# The processes of a node's container as (pid, parent pid, argv), from its own /proc.
+_PROCESSES = (
+    "import json, os\n"
+    "out = []\n"
+    "for p in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+    "    try: argv = open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace').split('\\0')\n"
+    "    except OSError: continue\n"
+    "    try: ppid = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+    "    except (OSError, IndexError, ValueError): ppid = 0\n"
+    "    out.append([p, ppid, [a for a in argv if a]])\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def processes(host: str, container: str) -> list[tuple[int, int, list[str]]]:
+    """(pid, parent pid, argv) of every process in `container` on `host`."""
+    out = node(host).check_output("docker exec %s python3 -c %s", container, _PROCESSES)
+    return [(pid, ppid, argv) for pid, ppid, argv in json.loads(out)]
+
+
+def serving(host: str, container: str) -> dict[int, tuple[int, list[str]]]:
+    """Every `vllm serve` process in the container, pid -> (parent pid, argv): the engine and the rank processes it
+    forks (they keep its command line)."""
+    return {pid: (ppid, argv) for pid, ppid, argv in processes(host, container)
+            if any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))}
+
+
+def engines(host: str, container: str) -> dict[int, list[str]]:
+    """The engine itself (a `vllm serve` whose parent is not one), pid -> argv: not the serve script's shell, its
+    log tee, or the ranks it forks."""
+    found = serving(host, container)
+    return {pid: argv for pid, (ppid, argv) in found.items() if ppid not in found}
+
+
+def connects(source: str, ip: str, port: int) -> bool:
+    """Whether a TCP connection from `source` (the node itself) to ip:port is accepted."""
+    probe = ("import socket, sys\n"
+             "s = socket.socket(); s.settimeout(3)\n"
+             "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)\n")
+    return node(source).run("python3 -c %s %s %s", probe, ip, str(port)).rc == 0
+
+
 def playbook(*args: str, inventory: Path | None = None) -> subprocess.CompletedProcess:
     """ansible-playbook against the scenario's nodes, with Molecule's config and inventory (and its env); another
     `inventory` directory (one from variant_inventory) replaces Molecule's."""

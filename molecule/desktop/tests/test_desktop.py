@@ -35,37 +35,13 @@ START_MARKER = "hy3spark: starting "  # serve.sh's first line (hy3spark.serving.
 TP = {"tensor": 2, "pipeline": 1}
 PP = {"tensor": 1, "pipeline": 2}
 
-# The processes of the node container as (pid, parent pid, argv), from its own /proc.
-PROCESSES = (
-    "import json, os\n"
-    "out = []\n"
-    "for p in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
-    "    try: argv = open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace').split('\\0')\n"
-    "    except OSError: continue\n"
-    "    try: ppid = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
-    "    except (OSError, IndexError, ValueError): ppid = 0\n"
-    "    out.append([p, ppid, [a for a in argv if a]])\n"
-    "print(json.dumps(out))\n"
-)
-
-
 def processes() -> list[tuple[int, int, list[str]]]:
-    out = node(NODE).check_output("docker exec %s python3 -c %s", CONTAINER, PROCESSES)
-    return [(pid, ppid, argv) for pid, ppid, argv in json.loads(out)]
-
-
-def serving() -> dict[int, tuple[int, list[str]]]:
-    """Every `vllm serve` process: the engine and the rank processes it forks (they keep its command line)."""
-    return {
-        pid: (ppid, argv)
-        for pid, ppid, argv in processes()
-        if any(os.path.basename(a) == "vllm" and argv[i + 1 : i + 2] == ["serve"] for i, a in enumerate(argv))
-    }
+    return scenario.processes(NODE, CONTAINER)
 
 
 def engine() -> tuple[int, list[str], set[int]]:
     """The one engine (a `vllm serve` whose parent is none), its argv, and the PIDs of the ranks it forked."""
-    found = serving()
+    found = scenario.serving(NODE, CONTAINER)
     engines = {pid: argv for pid, (ppid, argv) in found.items() if ppid not in found}
     assert len(engines) == 1, engines
     pid, argv = next(iter(engines.items()))
@@ -77,12 +53,7 @@ def api(path: str, body: dict | None = None) -> tuple[int, dict]:
 
 
 def connects(ip: str, port: int) -> bool:
-    probe = (
-        "import socket, sys\n"
-        "s = socket.socket(); s.settimeout(3)\n"
-        "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)\n"
-    )
-    return node(NODE).run("python3 -c %s %s %s", probe, ip, str(port)).rc == 0
+    return scenario.connects(NODE, ip, port)
 
 
 def last_start_log() -> str:

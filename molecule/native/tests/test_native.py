@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import scenario
-from scenario import REPO, flat, node, playbook, recap
+from scenario import REPO, connects, flat, node, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
 HEAD, WORKER = "native-head", "native-worker"
@@ -29,36 +29,16 @@ RENDERED = SCENARIO / ".rendered"
 RUN_FILE = "/var/lib/hy3spark/serve.json"
 SERVE_SCRIPT = "/etc/hy3spark/serve.sh"
 
-# The processes of a node container as (pid, argv), from its own /proc.
-PROCESSES = (
-    "import json, os\n"
-    "out = []\n"
-    "for p in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
-    "    try: argv = open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace').split('\\0')\n"
-    "    except OSError: continue\n"
-    "    try: ppid = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
-    "    except (OSError, IndexError, ValueError): ppid = 0\n"
-    "    out.append([p, ppid, [a for a in argv if a]])\n"
-    "print(json.dumps(out))\n"
-)
-
-
 def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, dict]:
     return scenario.api(HEAD, path, body, key or "")
 
 
 def processes(name: str) -> list[tuple[int, int, list[str]]]:
-    """(pid, parent pid, argv) of every process in the node's container."""
-    out = node(name).check_output("docker exec %s python3 -c %s", CONTAINER[name], PROCESSES)
-    return [(pid, ppid, argv) for pid, ppid, argv in json.loads(out)]
+    return scenario.processes(name, CONTAINER[name])
 
 
 def engines(name: str) -> dict[int, list[str]]:
-    """The node's `vllm serve` (the engine itself: not the serve script's shell, its log tee, or the rank processes
-    it forks, which keep its command line)."""
-    found = {pid: (ppid, argv) for pid, ppid, argv in processes(name)
-             if any(os.path.basename(a) == "vllm" and argv[i + 1:i + 2] == ["serve"] for i, a in enumerate(argv))}
-    return {pid: argv for pid, (ppid, argv) in found.items() if ppid not in found}
+    return scenario.engines(name, CONTAINER[name])
 
 
 def run_record() -> dict:
@@ -68,13 +48,6 @@ def run_record() -> dict:
 def converge() -> tuple[int, str]:
     result = playbook(str(SCENARIO / "converge.yml"))
     return result.returncode, result.stdout + result.stderr
-
-
-def connects(source: str, ip: str, port: int) -> bool:
-    probe = ("import socket, sys\n"
-             "s = socket.socket(); s.settimeout(3)\n"
-             "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)\n")
-    return node(source).run("python3 -c %s %s %s", probe, ip, str(port)).rc == 0
 
 
 @contextlib.contextmanager
