@@ -1,7 +1,9 @@
 """native scenario: the Spark pair under the native launcher (serving.launcher: native: vLLM's own --nnodes,
 --node-rank and --headless, no Ray). Converge, idempotence (changed=0) and check ran before; these tests run in file
-order against the live nodes: the serving pair as converge left it, then the faults (each must fail with a message
-that names the node and why, and the next clean run must recover), then teardown.
+order against the live nodes: the serving pair as converge left it, the drift check (converge.yml runs site.yml's
+first and last plays around the launcher: a re-run in sync skips the roles, a forced run restarts nothing), then the
+faults (each must fail with a message that names the node and why, and the next clean run must recover: the drift
+check names what differs), then teardown.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SERVED = "hy3"
 RENDERED = SCENARIO / ".rendered"
 RUN_FILE = "/var/lib/hy3spark/serve.json"
 SERVE_SCRIPT = "/etc/hy3spark/serve.sh"
+DRIFT_RECORD = "/var/lib/hy3spark/deployed.json"
 
 def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, dict]:
     return scenario.api(HEAD, path, body, key or "")
@@ -157,6 +160,43 @@ def test_status_reads_both_nodes_without_ray() -> None:
         assert f"node: {name}" in out, out
 
 
+# --- drift, as site.yml's first and last plays run it around the launcher (converge.yml) ---------------------------
+
+
+def test_every_node_recorded_its_ranks_and_the_containers_it_runs() -> None:
+    for name in NODES:
+        record = node(name).file(DRIFT_RECORD)
+        assert (record.mode, record.user) == (0o600, "root")
+        assert API_KEY not in record.content_string
+        state = json.loads(record.content_string)["state"]
+        assert CONTAINER[name] in state["containers"], state["containers"]
+        # Each node's engine processes are watched in its own container: the worker's --headless rank too.
+        assert state["processes"][CONTAINER[name]], state["processes"]
+
+
+def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
+    before = {name: engines(name) for name in NODES}
+    result = playbook(str(SCENARIO / "converge.yml"))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "Every node matches its last complete run" in flat(out), out
+    assert recap(out) == dict.fromkeys(NODES, 0), out
+    assert all(ok <= 10 for ok in recap(out, "ok").values()), out
+    assert f"{SERVED} answered: " in out, out
+    assert {name: engines(name) for name in NODES} == before
+
+
+def test_forced_full_run_changes_and_restarts_nothing() -> None:
+    before = {name: engines(name) for name in NODES}
+    result = playbook(str(SCENARIO / "converge.yml"), "-e", "drift_full_run=true")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "drift_full_run is set: every role runs." in flat(out), out
+    assert "leaving the engine alone: the same command is serving" in flat(out), out
+    assert recap(out) == dict.fromkeys(NODES, 0), out
+    assert {name: engines(name) for name in NODES} == before
+
+
 # --- faults, each followed by a clean run that recovers --------------------------------------------------------------
 
 
@@ -202,6 +242,8 @@ def test_a_rank_that_dies_takes_the_engine_down_and_a_rerun_restarts_every_node(
     node(WORKER).check_output(f"docker exec {CONTAINER[WORKER]} kill -9 {worker_pid}")
     code, out = converge()
     assert code == 0, out
+    # The drift check saw the worker's rank go (its processes in its own container), so the roles ran.
+    assert re.search(f"Every role runs, because:.*{WORKER}: [^;]*processes {CONTAINER[WORKER]}\\b", flat(out)), out
     assert re.search(f"\\(re\\)starting the engine: (the engine is not running on {WORKER}|no engine is running)",
                      flat(out)), out
     after = run_record()
