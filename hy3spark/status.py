@@ -1,7 +1,7 @@
-"""`hy3spark status`: what runs on every node (containers, image IDs, versions, memory), Ray's nodes and GPUs, the
-endpoint's health and models, the running engine's KV and NCCL lines and the last run record, collected read-only by
-playbooks/status.yml; printed as a table on a terminal and as plain lines otherwise. `up` records the same after
-its run.
+"""`hy3spark status`: what runs on every node (containers, or the engine's unit on the host when it runs from an
+operator's venv; image IDs, versions, memory), Ray's nodes and GPUs, the endpoint's health and models, the running
+engine's KV and NCCL lines and the last run record, collected read-only by playbooks/status.yml; printed as a table
+on a terminal and as plain lines otherwise. `up` records the same after its run.
 """
 
 from __future__ import annotations
@@ -79,8 +79,12 @@ def print_status(summary: dict[str, Any], console: Any = None) -> None:
     columns = ("node", "role", "containers", "image", "memory", "ray", "vllm")
     rows = []
     for name, node in summary["nodes"].items():
-        containers = ", ".join(f"{c.get('Names')} ({c.get('State') or c.get('Status')})"
-                               for c in node.get("containers", [])) or "none"
+        # The engine's unit on the host (an operator's engine venv, no container) stands beside the containers.
+        unit = node.get("engine_unit") or {}
+        venv = f", venv {unit['venv']}" if unit.get("venv") else ""
+        containers = ", ".join([*(f"{c.get('Names')} ({c.get('State') or c.get('Status')})"
+                                  for c in node.get("containers", [])),
+                                *([f"{unit.get('unit')} ({unit.get('ActiveState')}{venv})"] if unit else [])]) or "none"
         versions = node.get("versions", {})
         image = str(node.get("image_id") or "").split(":")[-1][:12] or "absent"
         rows.append((name, str(node.get("role")), containers, image,

@@ -156,7 +156,7 @@ class World:
         self.user_paths = [os.path.relpath(p, self.user.pw_dir) for p in (self.ssh, self.ssh / "authorized_keys")]
         bin_dir = root / "bin"
         bin_dir.mkdir()
-        for tool in ("docker", "systemctl", "ip"):
+        for tool in ("docker", "systemctl", "ip", "ps"):
             (bin_dir / tool).write_text(TOOL)
             (bin_dir / tool).chmod(0o755)
         self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -211,10 +211,14 @@ class World:
             ("systemctl", "show", UNIT, "--property", "ActiveState,UnitFileState,MainPID"):
                 (0, "".join(f"{key}={unit[key]}\n" for key in ("ActiveState", "UnitFileState", "MainPID"))),
             ("ip", "-j", "addr", "show", "dev", IFACE): (0, json.dumps([link])) if link else (1, ""),
+            ("ps", "-eo", "pid,lstart,args"):
+                (0, "".join(f"{row}\n" for row in ["    PID                  STARTED COMMAND", *d["ps"]]))
+                if "ps" in d else (1, ""),
         }
 
-    def observe(self, drift: ModuleType) -> dict:
-        """The node's state, through the same JSON round trip as the record on the node."""
+    def observe(self, drift: ModuleType, watch: dict | None = None) -> dict:
+        """The node's state, through the same JSON round trip as the record on the node (`watch`: another watch
+        than the whole node's)."""
         answers = self.root / "answers"
         shutil.rmtree(answers, ignore_errors=True)
         answers.mkdir()
@@ -225,7 +229,7 @@ class World:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PATH", self.path)
             mp.setenv("DRIFT_WORLD", str(answers))
-            return json.loads(json.dumps(drift.observe(self.watch())))
+            return json.loads(json.dumps(drift.observe(watch or self.watch())))
 
     def stop(self) -> None:
         for proc in self.unit_processes:
@@ -509,6 +513,43 @@ def test_the_engine_as_the_containers_first_process_is_watched(drift: ModuleType
     assert record["state"]["processes"] == {CONTAINER: ["1 Tue Dec 1 10:00:05 2026"]}
     world.data["top"][CONTAINER] = []
     assert drift.compare(record, INPUTS, world.observe(drift)) == [f"processes {CONTAINER}"]
+
+
+def test_the_engine_on_the_host_is_watched_in_its_unit_only(drift: ModuleType, world: World,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """From an operator's engine venv the engine runs on the host, in a systemd unit, with no container: `ps` there,
+    and of its rows only the unit's processes (an engine someone else runs beside it is not ours)."""
+    unit = "hy3spark-engine.service"
+    world.data["ps"] = ["   4242 Tue Dec  1 10:00:05 2026 /bin/bash /etc/serve.sh",
+                        f"   4250 Tue Dec  1 10:00:06 2026 /opt/vllm/bin/python3 /opt/vllm/bin/{ENGINE}",
+                        f"   5100 Tue Dec  1 09:00:00 2026 /usr/bin/python3 -m {ENGINE}",
+                        "   4300 Tue Dec  1 10:00:09 2026 tee -a /var/log/serve.log"]
+    monkeypatch.setattr(drift, "in_unit", lambda pid, name: name == unit and pid in {"4242", "4250", "4300"})
+    watch = {"processes": [{"container": None, "unit": unit, "match": ENGINE}]}
+    record = {"inputs": INPUTS, "state": world.observe(drift, watch)}
+    assert record["state"]["processes"] == {f"host {unit}": ["4250 Tue Dec 1 10:00:06 2026"]}
+    assert drift.compare(record, INPUTS, world.observe(drift, watch)) == []
+    world.data["ps"][1] = f"   4251 Tue Dec  1 11:00:00 2026 /opt/vllm/bin/python3 /opt/vllm/bin/{ENGINE}"
+    assert drift.compare(record, INPUTS, world.observe(drift, watch)) == [f"processes host {unit}"]
+    # Without a unit every matching process on the host counts; without ps nothing can be listed.
+    assert world.observe(drift, {"processes": [{"container": None, "match": ENGINE}]})["processes"] == {
+        "host": ["4251 Tue Dec 1 11:00:00 2026", "5100 Tue Dec 1 09:00:00 2026"]}
+    del world.data["ps"]
+    assert world.observe(drift, watch)["processes"] == {f"host {unit}": "no process list"}
+
+
+def test_a_process_belongs_to_a_unit_by_its_cgroup(drift: ModuleType, tmp_path: Path) -> None:
+    """/proc/PID/cgroup: the unified line (cgroup v2, here nested as in a container with systemd), or any line of
+    v1's hierarchies; the unit is the last path segment, never a suffix of it."""
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7/cgroup").write_text("0::/system.slice/docker-ab.scope/system.slice/hy3spark-engine.service\n")
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8/cgroup").write_text("12:pids:/system.slice/hy3spark-engine.service\n"
+                                       "1:name=systemd:/system.slice/hy3spark-engine.service\n")
+    for pid in ("7", "8"):
+        assert drift.in_unit(pid, "hy3spark-engine.service", proc=str(tmp_path))
+        assert not drift.in_unit(pid, "engine.service", proc=str(tmp_path))
+    assert not drift.in_unit("9", "hy3spark-engine.service", proc=str(tmp_path)), "a process that is gone"
 
 
 def test_a_unit_whose_main_process_just_exited_is_observed_without_its_argv(drift: ModuleType, world: World) -> None:

@@ -27,7 +27,8 @@ short_description: Compare a node with its hy3spark deployment record, or write 
 description:
   - Observes what site.yml manages on the node (files and directory trees by SHA-256, mode and owner; the fabric
     interfaces' addresses and MTU; systemd units' state and running argv; image IDs; Ray containers' IDs and
-    start times; the engine's processes; the model's hub cache entries by size, mtime, mode and owner).
+    start times; the engine's processes, in its container or on the host; the model's hub cache entries by size,
+    mtime, mode and owner).
   - C(state=compared) compares that with the record and the expected inputs hash; C(state=recorded) writes the
     record (mode 0600) when it differs.
 options:
@@ -183,16 +184,41 @@ def container_state(name: str) -> object:
     }
 
 
+def in_unit(pid: str, unit: str, proc: str = "/proc") -> bool:
+    """Whether the process belongs to the systemd unit: a line of /proc/PID/cgroup ends in /UNIT (v1 and v2)."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", encoding="utf-8") as fh:
+            return any(line.rstrip("\n").endswith("/" + unit) for line in fh)
+    except OSError:
+        return False
+
+
 def process_state(spec: dict) -> object:
-    rc, out = run(["docker", "top", spec["container"], "-eo", "pid,lstart,args"])
-    if rc != 0:
-        return "container not running"
+    """PIDs and start times of the processes whose command line holds spec["match"]: in spec["container"] (docker
+    top), or with no container on the host itself, there only those of spec["unit"] when it names one (another
+    engine someone runs beside ours is not ours)."""
+    container, unit = spec.get("container"), spec.get("unit")
+    if container:
+        rc, out = run(["docker", "top", container, "-eo", "pid,lstart,args"])
+        if rc != 0:
+            return "container not running"
+    else:
+        rc, out = run(["ps", "-eo", "pid,lstart,args"])
+        if rc != 0:
+            return "no process list"
     rows = []
     for line in out.splitlines()[1:]:
         fields = line.split(None, 6)
-        if len(fields) == 7 and spec["match"] in fields[6]:
+        if len(fields) == 7 and spec["match"] in fields[6] and (container or not unit or in_unit(fields[0], unit)):
             rows.append(" ".join(fields[:6]))
     return sorted(rows)
+
+
+def process_key(spec: dict) -> str:
+    """A process watch's name: its container, or the host's (its unit, when it names one)."""
+    if spec.get("container"):
+        return spec["container"]
+    return f"host {spec['unit']}" if spec.get("unit") else "host"
 
 
 def health(url: str) -> object:
@@ -219,7 +245,7 @@ OBSERVERS = {
 
 def observe(watch: dict) -> dict:
     state: dict = {kind: {name: fn(name) for name in watch.get(kind) or []} for kind, fn in OBSERVERS.items()}
-    state["processes"] = {p["container"]: process_state(p) for p in watch.get("processes") or []}
+    state["processes"] = {process_key(p): process_state(p) for p in watch.get("processes") or []}
     user = watch.get("user_files")
     if user:
         try:

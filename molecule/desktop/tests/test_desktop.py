@@ -3,7 +3,9 @@ executor, no Ray, the API on 127.0.0.1). Converge, idempotence (changed=0) and c
 split (cluster.yml, as examples/two-card-tp.yml); these tests run in file order against the live node: the tensor
 split as converge left it, then the pipeline split (the same spec with tensor_parallel 1 and pipeline_parallel 2, as
 examples/two-card-pp.yml) rendered and deployed to the same node, converged twice (the second changes nothing),
-checked the same way, then teardown.
+checked the same way; then the tensor split again with the engine run from a venv on the node (hy3spark_engine_venv,
+made by prepare.yml) with no container, converged twice, checked, watched by drift and reported by status; then
+teardown.
 
 The engine is the vLLM TEST DOUBLE with two fake GPUs; vLLM 0.23.0 recorded no KV outcome for Qwen3-32B, so it
 serves without KV lines (cluster.yml): nothing here reads KV numbers. Bench against both splits and the comparison
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +236,128 @@ def test_pp_models_completion_and_chat() -> None:
     check_models_completion_and_chat()
 
 
+# --- the engine from a venv on the host, no container (hy3spark_engine_venv) -----------------------------------------
+
+VENV = "/opt/vllm"  # made by prepare.yml: the same double, pip-installed on the node itself
+UNIT = "hy3spark-engine.service"
+WITH_VENV = ("-e", f"hy3spark_engine_venv={VENV}")
+
+# Every `vllm serve` process on the node itself as pid -> [parent pid, argv, cgroup path]: no container is involved.
+_HOST_SERVING = (
+    "import json, os\n"
+    "out = {}\n"
+    "for p in (int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+    "    try:\n"
+    "        argv = [a for a in open(f'/proc/{p}/cmdline', 'rb').read().decode(errors='replace').split('\\0') if a]\n"
+    "        ppid = int(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+    "        cgroup = open(f'/proc/{p}/cgroup').read().splitlines()[-1].split(':', 2)[2]\n"
+    "    except (OSError, IndexError, ValueError):\n"
+    "        continue\n"
+    "    if any(os.path.basename(a) == 'vllm' and argv[i + 1:i + 2] == ['serve'] for i, a in enumerate(argv)):\n"
+    "        out[p] = [ppid, argv, cgroup]\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def host_serving() -> dict[int, tuple[int, list[str], str]]:
+    out = json.loads(node(NODE).check_output("python3 -c %s", _HOST_SERVING))
+    return {int(pid): (ppid, argv, cgroup) for pid, (ppid, argv, cgroup) in out.items()}
+
+
+def host_engine() -> tuple[int, list[str], set[int]]:
+    """The one engine on the host (a `vllm serve` whose parent is none), its argv, and the ranks it forked."""
+    found = host_serving()
+    engines = {pid: argv for pid, (ppid, argv, _cgroup) in found.items() if ppid not in found}
+    assert len(engines) == 1, found
+    pid, argv = next(iter(engines.items()))
+    return pid, argv, {child for child, (ppid, _argv, _cgroup) in found.items() if ppid == pid}
+
+
+def unit_show() -> dict[str, str]:
+    out = node(NODE).check_output(f"systemctl show {UNIT} --property LoadState,ActiveState,MainPID")
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_venv_converge_removes_the_container_and_starts_the_engine_on_the_host() -> None:
+    result = playbook(str(SCENARIO / "converge.yml"), *WITH_VENV)
+    out = flat(result.stdout + result.stderr)
+    assert result.returncode == 0, out
+    assert f"No container: the engine runs from the venv {VENV} on the host" in out, out
+    assert "(re)starting the engine: no engine is running" in out, out
+    assert node(NODE).check_output("docker ps -aq").strip() == "", "the PP deployment's container is gone"
+    assert unit_show()["ActiveState"] == "active"
+
+
+def test_venv_idempotence() -> None:
+    pid, _argv, _ranks = host_engine()
+    result = playbook(str(SCENARIO / "converge.yml"), *WITH_VENV)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and recap(result.stdout) == {NODE: 0}, out
+    assert "leaving the engine alone: the same command is serving" in flat(out), out
+    assert host_engine()[0] == pid
+
+
+def test_venv_the_engine_and_its_ranks_run_on_the_host_in_the_unit() -> None:
+    assert node(NODE).check_output("docker ps -aq").strip() == "", "no container at all"
+    pid, argv, ranks = host_engine()
+    shown = unit_show()
+    assert shown["ActiveState"] == "active" and int(shown["MainPID"]) == pid, "serve.sh execs the engine: its PID"
+    assert argv[argv.index("serve") - 1] == f"{VENV}/bin/vllm", argv
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert len(ranks) == 2, ranks
+    for _ppid, _argv, cgroup in host_serving().values():
+        assert cgroup.endswith(f"/{UNIT}"), cgroup
+    status, body = api("/double/workers")
+    assert status == 200 and {w["pid"] for w in body["workers"]} == ranks, body
+    record = json.loads(node(NODE).check_output(f"cat {RUN_FILE}"))
+    assert (record["engine_pid"], record["venv"], record["unit"]) == (pid, VENV, UNIT)
+    assert record["containers"] == {} and record["image_id"] is None
+    # The serve log the gates read, and the unit's journal, both hold this start's lines.
+    assert last_start_log().count(START_MARKER) == 1 and "Application startup complete." in last_start_log()
+    assert START_MARKER in node(NODE).check_output(f"journalctl -u {UNIT} --no-pager -o cat")
+
+
+def test_venv_api_answers_on_loopback_only() -> None:
+    check_the_api_answers_on_loopback_only()
+
+
+def test_venv_models_completion_and_chat() -> None:
+    check_models_completion_and_chat()
+
+
+def test_venv_drift_watches_the_engine_on_the_host(tmp_path: Path) -> None:
+    """What drift records of the serving role and node_container with the venv: the unit and the engine's processes
+    on the host (no container); a second look is in sync, and a restarted engine is named."""
+    play = tmp_path / "drift.yml"
+    play.write_text(
+        "- hosts: all\n  gather_facts: false\n  become: true\n  tasks:\n"
+        "    - hy3spark.cluster.hy3spark_drift:\n"
+        "        watch: \"{{ lookup('hy3spark.cluster.hy3spark_state', 'node_container', 'vllm_serve') }}\"\n"
+        "        record: /tmp/drift-venv.json\n        inputs: test\n        state: \"{{ item }}\"\n"
+        "      loop: [recorded, compared]\n      register: drift\n"
+        "    - ansible.builtin.debug:\n        msg: \"DRIFT {{ drift.results[1].differs | to_json }}\"\n"
+    )
+    result = playbook(str(play), *WITH_VENV)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "DRIFT []" in flat(result.stdout), result.stdout
+    recorded = json.loads(node(NODE).check_output("cat /tmp/drift-venv.json"))["state"]
+    pid, argv, ranks = host_engine()
+    assert recorded["containers"] == {}
+    assert recorded["units"][UNIT]["active"] == "active" and recorded["units"][UNIT]["argv"] == argv
+    assert {int(row.split()[0]) for row in recorded["processes"][f"host {UNIT}"]} == {pid} | ranks
+
+
+def test_venv_status_reports_the_unit() -> None:
+    result = playbook(str(REPO / "playbooks/status.yml"), *WITH_VENV)
+    out = flat(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The callback's YAML or JSON alike.
+    for expected in (rf"\bunit\W+{re.escape(UNIT)}", r"\bActiveState\W+active\b", rf"\bvenv\W+{VENV}\b",
+                     r"\bvllm\W+0\.23\.0\+testdouble", r"\bcontainers\W+\[\]"):
+        assert re.search(expected, out), (expected, out)
+
+
 # --- the way back -----------------------------------------------------------------------------------------------------
 
 
@@ -242,6 +367,8 @@ def test_teardown_leaves_nothing_of_ours_and_keeps_the_model_cache(pp: tuple[Pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert node(NODE).check_output("docker ps -aq --filter label=io.hy3spark.cluster").strip() == ""
     assert node(NODE).check_output("docker ps -aq").strip() == ""
+    # The venv deployment's unit is stopped too, though this run does not name the venv: nothing of ours is left.
+    assert unit_show()["ActiveState"] in ("inactive", "failed") and host_serving() == {}
     assert not connects("127.0.0.1", API_PORT)
     assert node(NODE).file("/var/lib/hy3spark/hub/models--Qwen--Qwen3-32B-AWQ/snapshots").is_directory, (
         "the model cache is kept"

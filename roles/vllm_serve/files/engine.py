@@ -1,9 +1,12 @@
 """The serving engine inside a node's container (piped to `docker exec -i <container> python3 - COMMAND ...`): the
-head's, and under a launcher whose ranks each node starts itself (native) every other node's too.
+head's, and under a launcher whose ranks each node starts itself (native) every other node's too. Or on the host,
+from an operator's engine venv (one node, no container: piped to `<venv>/bin/python3 -`), where a transient systemd
+unit runs it.
 
 Ray is PID 1 there and the engine is a `docker exec -d` child of nothing we hold, so it is found by its command
 line: the serve script, or the engine process it execs into (HY3SPARK_ENGINE's `process`: an argv word and the
-word after it).
+word after it). On the host every process of the machine is visible, so with HY3SPARK_ENGINE_UNIT set only the
+processes of that unit (its cgroup) count: another engine someone runs beside it is not ours.
 Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, nothing recognisable).
 
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
@@ -28,6 +31,8 @@ import urllib.request
 ENGINE = json.loads(os.environ.get("HY3SPARK_ENGINE") or "null") or {}
 KV_CACHE = re.compile(ENGINE.get("log_lines", {}).get("kv_cache", r"(?!)"))
 CONCURRENCY = re.compile(ENGINE.get("log_lines", {}).get("concurrency", r"(?!)"))
+# The systemd unit the engine runs in on the host (`hy3spark-engine.service`); empty in a container.
+UNIT = os.environ.get("HY3SPARK_ENGINE_UNIT", "")
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -46,6 +51,15 @@ def _ppid(pid: int) -> int:
         return 0
 
 
+def _in_unit(pid: int) -> bool:
+    """Whether the process belongs to UNIT: a line of /proc/PID/cgroup ends in /UNIT (cgroup v2 and v1 alike)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return any(line.rstrip("\n").endswith("/" + UNIT) for line in f)
+    except OSError:
+        return False
+
+
 def _is_engine(argv: list[str], script: str) -> bool:
     if script in argv:
         return True
@@ -57,7 +71,7 @@ def engines(script: str) -> list[int]:
     """Engine PIDs, without the children that share the command line (the log tee's subshell)."""
     me = os.getpid()
     pids = (int(p) for p in os.listdir("/proc") if p.isdigit())
-    found = {p for p in pids if p != me and _is_engine(_cmdline(p), script)}
+    found = {p for p in pids if p != me and _is_engine(_cmdline(p), script) and (not UNIT or _in_unit(p))}
     return sorted(p for p in found if _ppid(p) not in found)
 
 
