@@ -148,4 +148,4 @@ RECIPES: tuple[Callable[[], Recipe], ...] = (node, dnode)
 # each reuses its tag when present and writes only its own HY3SPARK_<NAME>_IMAGE line into FILE (holding
 # .cache/images.lock while it does: images.py runs it after releasing that lock). Paths are
 # relative to the repository root; a missing script is skipped.
-EXTERNAL_BUILDERS: tuple[str, ...] = ("tests/engine_double/build-image",)
+EXTERNAL_BUILDERS: tuple[str, ...] = ("tests/engine_double/build-image", "tests/trtllm_double/build-image")
