@@ -321,6 +321,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hy3spark import planning
 
     loaded = _load(args.spec)
+    if not planning.plannable(loaded.spec):
+        raise Hy3SparkError(f"{loaded.source}: {planning.not_planned(loaded.spec)}")
     overhead = planning.overhead_for(loaded, args.calibrate, args.overhead)
     plan = planning.plan_for(loaded, overhead, args.free)
     nodes = planning.rank_nodes(loaded)

@@ -14,8 +14,8 @@ from typing import Any
 from typing_extensions import TypedDict
 
 from hy3spark import __version__
-from hy3spark.engines import SECRET_NAMES, Engine, engine_for
-from hy3spark.spec import Loaded, Node, Spec
+from hy3spark.engines import SECRET_NAMES, Engine, engine_for, engine_options
+from hy3spark.spec import Loaded, Node, Spec, mpi_hosts
 
 MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
 
@@ -27,6 +27,14 @@ VLLM_CONFIG_ROOT = f"{CONFIG_DIR}/vllm"
 # The serve script's first line at each engine start (templates/serve.sh.j2 prints it): everything logged after
 # the last such line belongs to the running engine. The roles, `hy3spark logs` and status split the log on it.
 ENGINE_START = "hy3spark: starting "
+# The engine's own options file, for an engine that reads one (TensorRT-LLM's --extra_llm_api_options).
+ENGINE_OPTIONS = f"{CONFIG_DIR}/engine-options.yml"
+# The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
+# in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
+MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
+MPI_CONTAINER_HOSTFILE = "/etc/openmpi-hostfile"
+MPI_SSHD_CONFIG = f"{CONFIG_DIR}/mpi/sshd_config"
+MPI_SSH_CONFIG = f"{CONFIG_DIR}/mpi/ssh_config"
 
 
 # The context's shape. Every key a template, role or playbook reads (`hy3spark.x.y`, `hy3spark_node.x`) is declared
@@ -41,6 +49,7 @@ class Paths(TypedDict):
     serve_script: str
     serve_log: str
     vllm_config_root: str
+    engine_options: str
 
 
 class Fabric(TypedDict):
@@ -99,6 +108,16 @@ class EngineContext(TypedDict):
     log_lines: dict[str, str]
 
 
+class Mpi(TypedDict):
+    """`hy3spark.mpi`: the mpi launcher's facts (None under any other launcher)."""
+    port: int  # the sshd in every node's container
+    hosts: list[str]  # the hostfile's addresses, in node order: fabric addresses only
+    hostfile: str  # on the node
+    container_hostfile: str  # where the container has it (OMPI_MCA_orte_default_hostfile)
+    sshd_config: str
+    ssh_config: str
+
+
 class Ray(TypedDict):
     port: int
     version: str | None
@@ -144,6 +163,9 @@ class Group(TypedDict):
     # The engine's secrets: the variable the engine reads on the head -> the NAME of the variable that holds it
     # on the controller (or in the CLI's secrets file; the hy3spark_secret lookup reads it). Only set ones appear.
     secrets: dict[str, str]
+    # The engine's own options file's content (hy3spark.paths.engine_options), for an engine that reads one.
+    engine_options: dict[str, Any] | None
+    mpi: Mpi | None
     ray: Ray
     earlyoom: Earlyoom
     plan: Plan
@@ -193,7 +215,7 @@ class Context(TypedDict):
     nodes: dict[str, NodeContext]
 
 
-def _env_for(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
+def node_env(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
     """The per-node env file: the settings every engine shares, laid out by the engine around its own."""
     common: dict[str, str] = {}
     if spec.fabric is not None and spec.head.fabric_ip is not None:
@@ -221,9 +243,11 @@ def _env_for(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
     if spec.verify_transport:
         env["NCCL_DEBUG"] = "INFO"
         env["NCCL_DEBUG_SUBSYS"] = "INIT,NET,GRAPH,ENV"
-        # Ray folds lines that differ only in words with digits ("[repeated 2x across cluster]"): the other ranks'
-        # NCCL lines, host and transport included, would never reach the serve log the transport gate reads.
-        env["RAY_DEDUP_LOGS"] = "0"
+        if spec.serving.launcher != "mpi":  # no Ray runs under mpi; mpirun forwards every rank's lines as they are
+            # Ray folds lines that differ only in words with digits ("[repeated 2x across cluster]"): the other
+            # ranks' NCCL lines, host and transport included, would never reach the serve log the transport gate
+            # reads.
+            env["RAY_DEDUP_LOGS"] = "0"
     env.update(spec.container.env)
     return env
 
@@ -265,6 +289,22 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
 HOLD_ARGV = ["sleep", "infinity"]
 
 
+def _mpi_argv(port: int) -> list[str]:
+    """The mpi launcher's node container: its sshd in the foreground on the MPI port (mpirun's way into the node),
+    which holds the container as `sleep infinity` does the native launcher's. sshd refuses to start without its
+    privilege separation directory, which the image does not have."""
+    return ["/bin/sh", "-c", f"mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -p {port} -f {MPI_SSHD_CONFIG}"]
+
+
+def _command(spec: Spec, node: Node, head: bool) -> list[str]:
+    launcher = spec.serving.launcher
+    if launcher == "ray":
+        return _ray_argv(spec, node, head)
+    if launcher == "mpi":
+        return _mpi_argv(spec.serving.mpi_port)
+    return list(HOLD_ARGV)
+
+
 def _container_for(spec: Spec, node: Node, head: bool) -> Container:
     """A node container described as data: under Ray it runs the node's Ray (the ray_head/ray_worker roles), under
     the native launcher it holds the node for the engine."""
@@ -274,11 +314,13 @@ def _container_for(spec: Spec, node: Node, head: bool) -> Container:
         f"{CONFIG_DIR}:{CONFIG_DIR}:ro",
         f"{LOG_DIR}:{LOG_DIR}",
     ]
+    if spec.serving.launcher == "mpi":
+        mounts.append(f"{MPI_HOSTFILE}:{MPI_CONTAINER_HOSTFILE}:ro")
     return {
         "name": f"{spec.container.name_prefix}-{role}",
         "role": role,
         "image": spec.image.ref,
-        "command": _ray_argv(spec, node, head) if spec.serving.launcher == "ray" else list(HOLD_ARGV),
+        "command": _command(spec, node, head),
         "network_mode": "host",
         "ipc_mode": "host",
         "shm_size": spec.container.shm_size,
@@ -389,7 +431,7 @@ def build_context(loaded: Loaded) -> Context:
             "mgmt_ip": str(node.mgmt_ip) if node.mgmt_ip else None,
             "ssh_host": node.connect_host,
             "ssh_user": node.ssh_user,
-            "env": _env_for(spec, engine, node),
+            "env": node_env(spec, engine, node),
             "container": container,
             "docker_run": docker_run_argv(container),
             "serve_argv": engine.node_argv(i),
@@ -413,6 +455,7 @@ def build_context(loaded: Loaded) -> Context:
             "serve_script": f"{CONFIG_DIR}/serve.sh",
             "serve_log": SERVE_LOG,
             "vllm_config_root": VLLM_CONFIG_ROOT,
+            "engine_options": ENGINE_OPTIONS,
         },
         "head": spec.head.name,
         "workers": [w.name for w in spec.workers],
@@ -461,6 +504,8 @@ def build_context(loaded: Loaded) -> Context:
             "log_lines": engine.log_lines(),
         },
         "secrets": engine.secret_env(),
+        "engine_options": engine_options(engine),
+        "mpi": _mpi(spec),
         "ray": {
             "port": spec.ray.port,
             "version": spec.ray.version,
@@ -483,6 +528,19 @@ def build_context(loaded: Loaded) -> Context:
     return {"hy3spark": group, "nodes": nodes}
 
 
+def _mpi(spec: Spec) -> Mpi | None:
+    if spec.serving.launcher != "mpi":
+        return None
+    return {
+        "port": spec.serving.mpi_port,
+        "hosts": mpi_hosts(spec),
+        "hostfile": MPI_HOSTFILE,
+        "container_hostfile": MPI_CONTAINER_HOSTFILE,
+        "sshd_config": MPI_SSHD_CONFIG,
+        "ssh_config": MPI_SSH_CONFIG,
+    }
+
+
 def _fabric(spec: Spec) -> Fabric | None:
     if spec.fabric is None or spec.head.fabric_ip is None:
         return None
@@ -500,6 +558,10 @@ def _fabric(spec: Spec) -> Fabric | None:
 def plan_summary(loaded: Loaded) -> Plan:
     from hy3spark import planning
 
+    if not planning.plannable(loaded.spec):
+        return {"requested_bytes": 0, "kv_cache_tokens": None, "max_concurrency": None, "kv_cache_size_line": None,
+                "max_concurrency_line": None, "overhead_source": "not planned", "errors": [],
+                "warnings": [planning.not_planned(loaded.spec)]}
     overhead = planning.overhead_for(loaded, None, None)
     plan = planning.plan_for(loaded, overhead)
     return {

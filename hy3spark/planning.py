@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hy3spark import capacity
 from hy3spark.errors import Hy3SparkError
-from hy3spark.spec import Loaded
+from hy3spark.spec import Loaded, Spec, VllmServing
 
 GIB = capacity.GIB
 # max_num_batched_tokens is a spec field, always rendered (serving.max_num_batched_tokens): vLLM's own default
@@ -17,6 +17,17 @@ GIB = capacity.GIB
 # the planner plans the value the engine is given.
 # The serving.extra_args with a value that change the KV cache (vLLM resolves them when they are absent).
 _VALUED_KV_FLAGS = ("--block-size",)
+
+
+def plannable(spec: Spec) -> bool:
+    """The planner models vLLM's memory profile from vLLM's own serving fields (gpu_memory_utilization,
+    kv_cache_dtype, max_num_batched_tokens, speculative_config); it predicts nothing for another engine."""
+    return isinstance(spec.serving, VllmServing)
+
+
+def not_planned(spec: Spec) -> str:
+    return (f"not planned: hy3spark's capacity planner models vLLM only, and serving.engine is {spec.serving.engine}; "
+            "the engine's own KV cache line in the serve log is the measure")
 
 
 @dataclass(frozen=True)

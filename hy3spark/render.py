@@ -122,9 +122,16 @@ def render_all(loaded: Loaded) -> list[Output]:
         if node["serve_argv"]:  # every node under the native launcher; the head only under Ray
             outputs.append(Output(f"{root}/etc/hy3spark/serve.sh", "serve", tpl("serve.sh.j2", hy3spark_node=node),
                                   0o755))
-        if node["role"] == "head":
+        if node["role"] == "head" and group["paths"]["vllm_config_root"] in node["env"].values():
+            # In the config root of an engine that reads one (VLLM_CONFIG_ROOT in its env).
             outputs.append(Output(f"{root}/etc/hy3spark/vllm/ray_non_carry_over_env_vars.json", "serve",
                                   tpl("ray_non_carry_over_env_vars.json.j2", hy3spark_node=node)))
+        if node["role"] == "head" and group["engine_options"] is not None:
+            outputs.append(Output(f"{root}{group['paths']['engine_options']}", "serve",
+                                  tpl("engine-options.yml.j2", hy3spark_node=node)))
+        if group["mpi"] is not None:  # every node's container mounts it (OMPI_MCA_orte_default_hostfile)
+            outputs.append(Output(f"{root}{group['mpi']['hostfile']}", "serve",
+                                  tpl("openmpi-hostfile.j2", hy3spark_node=node)))
     outputs.append(Output("files/pi/models.json", "pi", tpl("pi-models.json.j2")))
     outputs.append(Output("files/pi/settings.json", "pi", tpl("pi-settings.json.j2")))
     return outputs

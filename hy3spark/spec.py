@@ -253,9 +253,56 @@ class VllmServing(ServingBase):
     )
 
 
+class TrtllmKvCache(SpecModel):
+    """TensorRT-LLM's kv_cache_config (the extra LLM API options file): the keys a Spark deployment sets."""
+
+    dtype: Literal["auto", "fp8"] = "auto"
+    free_gpu_memory_fraction: Annotated[FiniteFloat, Field(gt=0, le=1)] = Field(
+        default=0.9, description="share of the memory left after the weights that the KV cache takes")
+    enable_block_reuse: bool | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=_COUNT)] | None = None
+
+
+class TrtllmCudaGraph(SpecModel):
+    """TensorRT-LLM's cuda_graph_config; `cuda_graph_config: null` turns CUDA graphs off."""
+
+    enable_padding: bool = True
+    max_batch_size: Annotated[int, Field(ge=1, le=_COUNT)] | None = None
+    batch_sizes: list[Annotated[int, Field(ge=1, le=_COUNT)]] | None = None
+
+
+DEFAULT_MPI_PORT = 2233  # the sshd inside every node's container that mpirun reaches (NVIDIA's two-Spark playbook)
+
+
+class TrtllmServing(ServingBase):
+    """`trtllm-serve` under `mpirun` (hy3spark/engines/trtllm.py). The shared fields keep their names and are
+    rendered as trtllm-serve's flags: tensor_parallel is --tp_size, pipeline_parallel --pp_size, max_num_seqs
+    --max_batch_size, max_model_len --max_seq_len."""
+
+    engine: Literal["trtllm"] = Field(description="inference engine (see docs/engines.md)")
+    # trtllm-serve has no served-name flag: it reports the model under the name it was given, the repo id.
+    served_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,127}$")] = Field(
+        description="the name clients use: model.repo, as trtllm-serve reports it (filled in when omitted)")
+    launcher: Literal["mpi"] = Field(
+        default="mpi", description="mpi: one container per node with an sshd on mpi_port; the head's mpirun starts "
+                                   "one rank per node over the hostfile of fabric addresses")
+    mpi_port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=DEFAULT_MPI_PORT, description="the port of the sshd in every node's container that mpirun reaches")
+    backend: Literal["pytorch"] = "pytorch"
+    max_num_tokens: Annotated[int, Field(ge=16, le=_COUNT)] = Field(
+        default=8192, description="batched input tokens per scheduler step (--max_num_tokens)")
+    # The extra LLM API options file (--extra_llm_api_options): its keys override trtllm-serve's flags, so only
+    # these fields write it.
+    print_iter_log: bool = False
+    kv_cache_config: TrtllmKvCache = TrtllmKvCache()
+    cuda_graph_config: TrtllmCudaGraph | None = TrtllmCudaGraph()
+    # Checked against trtllm-serve's option table by a rule (_check_extra_args): the engine knows its flags.
+    extra_args: list[Annotated[str, AfterValidator(_one_line)]] = Field(default_factory=list)
+
+
 # Every engine's serving section, by the value of `serving.engine` (the default: vllm). Adding an engine adds its
 # section here (docs/engines.md has the whole checklist).
-SERVING_SECTIONS: dict[str, type[ServingBase]] = {"vllm": VllmServing}
+SERVING_SECTIONS: dict[str, type[ServingBase]] = {"vllm": VllmServing, "trtllm": TrtllmServing}
 DEFAULT_ENGINE = "vllm"
 
 
@@ -268,7 +315,10 @@ def _engine_of(value: Any) -> Any:
 
 # The serving section, keyed on `engine`: engine-specific fields sit under the engine they belong to.
 Serving = Annotated[
-    Union[Annotated[VllmServing, Tag("vllm")]],  # noqa: UP007 (a tagged union, one member per engine)
+    Union[  # noqa: UP007 (a tagged union, one member per engine)
+        Annotated[VllmServing, Tag("vllm")],
+        Annotated[TrtllmServing, Tag("trtllm")],
+    ],
     Discriminator(_engine_of),
 ]
 
@@ -356,6 +406,16 @@ class Spec(SpecModel):
             serving = data.get("serving")
             if isinstance(serving, dict) and serving.get("launcher") == "native" and "host" not in serving:
                 data = {**data, "serving": {**serving, "host": "127.0.0.1"}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_as_the_repo(cls, data: Any) -> Any:
+        """trtllm-serve reports the model under the repo id it was given: that is the name clients use."""
+        if isinstance(data, dict) and isinstance(data.get("serving"), dict) and isinstance(data.get("model"), dict):
+            serving, repo = data["serving"], data["model"].get("repo")
+            if serving.get("engine") == "trtllm" and "served_name" not in serving and isinstance(repo, str):
+                data = {**data, "serving": {**serving, "served_name": repo}}
         return data
 
     @property
@@ -476,7 +536,7 @@ def _check_fabric_presence(spec: Spec) -> list[Problem]:
                                                             "this node's own address (such as 10.0.0.1/24) on "
                                                             "fabric.interfaces; or remove fabric on a single "
                                                             "machine"))
-    if spec.fabric is None and not spec.multi_node and spec.serving.launcher != "native":
+    if spec.fabric is None and not spec.multi_node and spec.serving.launcher == "ray":
         problems.append((("serving", "launcher"), f"{spec.serving.launcher} needs a fabric: Ray starts on the "
                                                   "node's fabric address (ray start --node-ip-address); with no "
                                                   "fabric set serving.launcher: native (one machine: vLLM's mp "
@@ -507,8 +567,9 @@ def _check_serving(spec: Spec) -> list[Problem]:
     s, arch = spec.serving, spec.model.arch
     ranks = s.tensor_parallel * s.pipeline_parallel
     if ranks != spec.gpu_count:
+        flags = " (trtllm-serve's --tp_size x --pp_size)" if isinstance(s, TrtllmServing) else ""
         problems.append((("serving", "tensor_parallel"),
-                         f"tensor_parallel x pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel} = "
+                         f"tensor_parallel x pipeline_parallel{flags} = {s.tensor_parallel} x {s.pipeline_parallel} = "
                          f"{ranks}, but the cluster has {spec.gpu_count} GPU(s) ({len(spec.nodes)} node(s)); "
                          "make the product equal the GPU count"))
     if arch.num_key_value_heads % s.tensor_parallel:
@@ -538,12 +599,23 @@ def _check_serving(spec: Spec) -> list[Problem]:
                                               f"{spec.ray.dashboard}; pick another serving.port"))
     if len(reserved) != 3 and s.launcher == "ray":
         problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
-    if s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
+    if isinstance(s, TrtllmServing):
+        if s.api_key_env is not None:
+            problems.append((("serving", "api_key_env"), f"trtllm-serve checks no API key ({TRTLLM_NO_KEY}): a key "
+                                                         "set here would protect nothing; remove it, and bind "
+                                                         "serving.host to 127.0.0.1 or set serving.open_endpoint: "
+                                                         "true"))
+        elif not s.host.is_loopback and not s.open_endpoint:
+            problems.append((("serving", "host"), f"{s.host} serves trtllm-serve's API to anyone who reaches it, and "
+                                                  f"trtllm-serve checks no API key ({TRTLLM_NO_KEY}); bind "
+                                                  "serving.host to 127.0.0.1, or set serving.open_endpoint: true to "
+                                                  "serve without a key on purpose"))
+    elif s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
         problems.append((("serving", "api_key_env"),
                          f"the endpoint listens on {s.host}:{s.port} with no API key; set serving.api_key_env to the "
                          "name of an environment variable holding the key, bind serving.host to 127.0.0.1, or set "
                          "serving.open_endpoint: true to serve without a key on purpose"))
-    if s.speculative_config is not None and "method" not in s.speculative_config:
+    if isinstance(s, VllmServing) and s.speculative_config is not None and "method" not in s.speculative_config:
         problems.append((("serving", "speculative_config"), "needs a 'method' (for example mtp)"))
     return problems
 
@@ -585,12 +657,15 @@ def _looks_secret(value: str) -> bool:
 
 # Variables hy3spark derives for every node (hy3spark/context.py's node env): container.env may not set them, or a
 # copied spec could point a worker at the head's address (VLLM_HOST_IP) or NCCL at another port.
-OWNED_ENV = {"VLLM_HOST_IP", "VLLM_CONFIG_ROOT", "MASTER_ADDR", "UCX_NET_DEVICES", "HF_HUB_CACHE", "HF_HUB_OFFLINE"}
+OWNED_ENV = {"VLLM_HOST_IP", "VLLM_CONFIG_ROOT", "MASTER_ADDR", "UCX_NET_DEVICES", "HF_HUB_CACHE", "HF_HUB_OFFLINE",
+             "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"}
 OWNED_ENV_PREFIXES = ("NCCL_IB_", "OMPI_MCA_")
 OWNED_ENV_SUFFIXES = ("_SOCKET_IFNAME",)
 # Set when the transport gate is on: it reads NCCL's INFO lines from the serve log.
 TRANSPORT_ENV = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "RAY_DEDUP_LOGS"}
 SSH_PORT = 22
+# trtllm-serve has no --api_key (an open feature request upstream); no key it could check is ever rendered.
+TRTLLM_NO_KEY = "NVIDIA/TensorRT-LLM#9950"
 RAY_CLIENT_PORT = 10001
 RAY_DASHBOARD_PORT = 8265
 
@@ -649,13 +724,49 @@ DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
 
 def master_port(spec: Spec) -> int | None:
     """The native launcher's rendezvous port on the head; None when the launcher is Ray or there is one node."""
-    if spec.serving.launcher != "native" or not spec.multi_node:
+    s = spec.serving
+    if not isinstance(s, VllmServing) or s.launcher != "native" or not spec.multi_node:
         return None
-    return spec.serving.master_port or DEFAULT_MASTER_PORT
+    return s.master_port or DEFAULT_MASTER_PORT
+
+
+def mpi_hosts(spec: Spec) -> list[str]:
+    """The Open MPI hostfile's addresses, in node order: each node's fabric address, never its management address or
+    ssh_host (the ranks' traffic belongs on the cabled port). One node without a fabric is `localhost`: mpirun
+    starts that rank itself, over no SSH and no network."""
+    return [str(n.fabric_ip.ip) if n.fabric_ip is not None else "localhost" for n in spec.nodes]
+
+
+def _check_mpi(spec: Spec) -> list[Problem]:
+    s = spec.serving
+    assert isinstance(s, TrtllmServing)
+    problems: list[Problem] = []
+    if "ray" in spec.model_fields_set:
+        problems.append((("ray",), "the mpi launcher starts no Ray: the ray section has no effect under "
+                                   "serving.launcher: mpi; remove it"))
+    if s.mpi_port == SSH_PORT:
+        problems.append((("serving", "mpi_port"), f"{s.mpi_port} is SSH's port on the node, which Ansible reaches "
+                                                  "the nodes on; the container's sshd shares the host's network, so "
+                                                  f"pick another serving.mpi_port (NVIDIA's is {DEFAULT_MPI_PORT})"))
+    elif s.mpi_port == s.port:
+        problems.append((("serving", "mpi_port"), f"{s.mpi_port} collides with serving.port, where trtllm-serve's API "
+                                                  "listens; pick another serving.mpi_port"))
+    for i, node in enumerate(spec.nodes):
+        if node.gpus != 1:
+            problems.append(((*_node_path(i), "gpus"), f"{node.gpus}: the mpi launcher starts one rank per node "
+                                                       "(slots=1 in the hostfile, OMPI_MCA_rmaps_ppr_n_pernode=1), "
+                                                       "so every node must have 1 GPU"))
+    if s.served_name != spec.model.repo:
+        problems.append((("serving", "served_name"), f"{s.served_name!r}: trtllm-serve has no served-name flag and "
+                                                     f"reports the model as {spec.model.repo!r} (model.repo); remove "
+                                                     "served_name (it defaults to model.repo)"))
+    return problems
 
 
 def _check_launcher(spec: Spec) -> list[Problem]:
     s = spec.serving
+    if isinstance(s, TrtllmServing):
+        return _check_mpi(spec)
     problems: list[Problem] = []
     if s.launcher == "ray":
         if s.master_port is not None:
@@ -811,8 +922,9 @@ _SCALAR = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|true|false|
 def _pydantic_problem(err: dict[str, Any]) -> Problem:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "constrained-"))))
     # The serving union puts the engine's tag into the path (serving.vllm.port): the user wrote serving.port.
+    engine = None
     if loc[:1] == ("serving",) and len(loc) > 1 and loc[1] in SERVING_SECTIONS:
-        loc = ("serving", *loc[2:])
+        engine, loc = str(loc[1]), ("serving", *loc[2:])
     if loc[-1:] == ("[key]",):  # a mapping key's own grammar (container.env.NAME)
         loc = loc[:-1]
     kind, msg, given = err["type"], err["msg"], err.get("input")
@@ -830,8 +942,21 @@ def _pydantic_problem(err: dict[str, Any]) -> Problem:
                                   f"{', '.join(sorted(SERVING_SECTIONS))}")
     if kind == "union_tag_not_found" or (kind == "model_attributes_type" and loc == ("serving",)):
         return loc, "must be a mapping of the serving fields (engine:, served_name:, tensor_parallel:, ...)"
+    if kind == "extra_forbidden" and engine is not None and len(loc) == 2:
+        # A field of another engine's section (kv_cache_dtype under trtllm): say whose it is.
+        owners = sorted(name for name, section in SERVING_SECTIONS.items()
+                        if name != engine and loc[1] in section.model_fields)
+        if owners:
+            return loc, (f"a {' and '.join(owners)} field; serving.engine is {engine}, whose section has no "
+                         f"{loc[1]} (docs/engines.md): remove it, or set serving.engine: {owners[0]}")
     if kind == "extra_forbidden":
         return loc, "unknown field; check the spelling (see README 'The cluster spec' for every field)"
+    if kind == "literal_error" and engine is not None and loc == ("serving", "launcher"):
+        from hy3spark.engines import ENGINES  # the engines import this module
+
+        by_engine = "; ".join(f"{e}: {', '.join(ENGINES[e].launchers)}" for e in sorted(ENGINES))
+        return loc, (f"{given!r} is not a launcher of {engine}, which runs under "
+                     f"{' or '.join(ENGINES[engine].launchers)} (the launchers by engine: {by_engine})")
     if kind == "missing":
         return loc, "is required"
     msg = msg.removeprefix("Value error, ")

@@ -3,8 +3,8 @@
 For anyone who renders a spec and wants to know the files mean what they say (the render tests, the adversarial
 corpus of issue 14): every YAML file parses to one document with each key once, every JSON file parses with each
 key once, every shell script passes `bash -n`, and every env file (node.env, secrets.env, /etc/default/earlyoom) is
-blank lines, `#` comments and NAME=value lines only. A file whose format is not known fails: a new kind of file
-must say how it is checked.
+blank lines, `#` comments and NAME=value lines only, and Open MPI's hostfile `HOST slots=N` lines. A file whose
+format is not known fails: a new kind of file must say how it is checked.
 
     from soundness import assert_sound
     assert_sound(render_all(loaded))          # or a {path: content} mapping
@@ -25,6 +25,9 @@ from hy3spark.render import Output
 
 ENV_LINE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=[^\n\r\x00]*")
 ENV_FILES = {"earlyoom"}  # /etc/default/earlyoom: systemd's EnvironmentFile= of earlyoom.service
+# Open MPI's hostfile: `HOST slots=N` lines and `#` comments; a host is an IPv4 address (a fabric address) or localhost.
+HOSTFILES = {"openmpi-hostfile"}
+HOSTFILE_LINE = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|localhost) slots=[1-9]\d*")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -48,6 +51,8 @@ def file_format(path: str) -> str:
     name = PurePosixPath(path).name
     if name in ENV_FILES:
         return "env"
+    if name in HOSTFILES:
+        return "hostfile"
     suffix = PurePosixPath(path).suffix
     formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
     if suffix not in formats:
@@ -81,6 +86,10 @@ def problems(path: str, text: str) -> list[str]:
     if fmt == "sh":
         proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, check=False)
         return [] if proc.returncode == 0 else [f"{path}: bash -n: {proc.stderr.strip()}"]
+    if fmt == "hostfile":
+        return [f"{path}:{number}: not a `HOST slots=N` line: {line!r}"
+                for number, line in enumerate(text.split("\n"), 1)
+                if line.strip() and not line.startswith("#") and not HOSTFILE_LINE.fullmatch(line)]
     if "\r" in text or "\x00" in text:
         return [f"{path}: a carriage return or NUL in an env file"]
     found = []

@@ -48,7 +48,10 @@ def test_the_context_publishes_the_engine_as_the_engine_answers(example: str) ->
                                    "log_lines": engine.log_lines()}
     assert published["secrets"] == engine.secret_env()
     assert published["serving"]["argv"] == engine.serve_argv()
-    assert published["serving"]["argv"][:2] == [engine.process()["exe"], engine.process()["arg"]]
+    # The serving role recognises the engine as roles/vllm_serve/files/engine.py does: an argv word named `exe`
+    # followed by `arg`, anywhere in the command line (vLLM's starts with it; TensorRT-LLM's follows mpirun's own).
+    argv, process = published["serving"]["argv"], engine.process()
+    assert any(word == process["exe"] and argv[i + 1:i + 2] == [process["arg"]] for i, word in enumerate(argv))
 
 
 def test_vllm_reads_each_secret_from_the_variable_the_spec_names() -> None:
@@ -80,3 +83,88 @@ def test_the_status_endpoint_is_the_clients_url_honouring_serving_host() -> None
     host = ipaddress.IPv4Address("192.168.1.10")
     bound = spec.model_copy(update={"serving": spec.serving.model_copy(update={"host": host})})
     assert (client_url(bound), probe_url(bound)) == (f"http://192.168.1.10:{port}/v1", f"http://192.168.1.10:{port}")
+
+
+# --- TensorRT-LLM (issue 12): trtllm-serve under the mpi launcher --------------------------------------------------
+TRTLLM_EXAMPLE = REPO / "examples" / "pair-trtllm-235b.yml"
+
+
+def test_trtllm_launches_through_mpirun_on_the_head_only() -> None:
+    loaded = load_spec(TRTLLM_EXAMPLE)
+    engine = engine_for(loaded.spec)
+    assert (engine.name, engine.launcher, engine.launchers) == ("trtllm", "mpi", ("mpi",))
+    argv = engine.serve_argv()
+    assert engine.node_argv(0) == argv and engine.node_argv(1) == [], "mpirun starts the worker's rank over SSH"
+    launch = argv.index("trtllm-llmapi-launch")
+    assert argv[:4] == ["mpirun", "--mca", "plm_rsh_args", "-p 2233 -F /etc/hy3spark/mpi/ssh_config"]
+    assert argv[launch:] == [
+        "trtllm-llmapi-launch", "trtllm-serve", "nvidia/Qwen3-235B-A22B-FP4", "--revision", "main", "--tp_size", "2",
+        "--backend", "pytorch", "--max_num_tokens", "32768", "--max_batch_size", "4", "--max_seq_len", "32768",
+        "--extra_llm_api_options", "/etc/hy3spark/engine-options.yml", "--port", "8355", "--host", "0.0.0.0"]
+    # -x NAME: names only, the secrets' last (their values come from the serve script's 0600 file).
+    passed = [argv[i + 1] for i in range(4, launch, 2)]
+    assert argv[4:launch:2] == ["-x"] * len(passed) and passed[-1] == "HF_TOKEN"
+    assert not [n for n in passed if "=" in n or n.startswith("OMPI_")]
+
+
+def test_trtllm_node_env_is_open_mpis_and_the_fabrics() -> None:
+    loaded = load_spec(TRTLLM_EXAMPLE)
+    nodes = build_context(loaded)["nodes"]
+    for name in ("spark-a", "spark-b"):
+        env = nodes[name]["env"]
+        for key in ("UCX_NET_DEVICES", "NCCL_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include"):
+            assert env[key] == "enp1s0f1np1", f"{name}: {key} is the fabric netdev"
+        assert env["OMPI_MCA_orte_default_hostfile"] == "/etc/openmpi-hostfile"
+        assert env["OMPI_MCA_rmaps_ppr_n_pernode"] == "1"
+        assert env["NCCL_IB_HCA"] == "=rocep1s0f1,roceP2p1s0f1"
+        assert not [k for k in env if k.startswith(("VLLM_", "RAY_"))] and "HF_TOKEN" not in env
+
+
+def test_trtllm_reads_the_hub_token_only_and_no_api_key() -> None:
+    spec = load_spec(TRTLLM_EXAMPLE).spec
+    assert engine_for(spec).secret_env() == {"HF_TOKEN": "HF_TOKEN"}
+    public = spec.model_copy(update={"model": spec.model.model_copy(update={"token_env": None})})
+    assert engine_for(public).secret_env() == {} and "HF_TOKEN" not in engine_for(public).serve_argv()
+
+
+def test_trtllm_publishes_its_options_and_the_mpi_launcher_its_hosts() -> None:
+    group = build_context(load_spec(TRTLLM_EXAMPLE))["hy3spark"]
+    assert group["engine_options"] == {"cuda_graph_config": {"enable_padding": True},
+                                       "kv_cache_config": {"dtype": "auto", "free_gpu_memory_fraction": 0.9},
+                                       "print_iter_log": False}
+    assert group["mpi"] == {"port": 2233, "hosts": ["10.0.0.1", "10.0.0.2"],
+                            "hostfile": "/etc/hy3spark/openmpi-hostfile", "container_hostfile": "/etc/openmpi-hostfile",
+                            "sshd_config": "/etc/hy3spark/mpi/sshd_config",
+                            "ssh_config": "/etc/hy3spark/mpi/ssh_config"}
+    assert group["serving"]["served_name"] == "nvidia/Qwen3-235B-A22B-FP4" == group["pi_settings"]["defaultModel"]
+    assert group["plan"]["kv_cache_tokens"] is None and "models vLLM only" in group["plan"]["warnings"][0]
+    vllm = build_context(load_spec(REPO / "examples" / "hy3-two-spark.yml"))["hy3spark"]
+    assert vllm["engine_options"] is None and vllm["mpi"] is None
+
+
+def test_trtllm_kv_cache_line_pattern() -> None:
+    # TensorRT-LLM's KV cache manager's line (the double, tests/trtllm_double/, is to record the pinned image's own).
+    pattern = re.compile(engine_for(load_spec(TRTLLM_EXAMPLE).spec).log_lines()["kv_cache"])
+    line = "[TensorRT-LLM][INFO] [MemUsageChange] Allocated 52.31 GiB for max tokens in paged KV cache (1071232)."
+    match = pattern.search(line)
+    assert match and match.group(1) == "1071232"
+
+
+def test_trtllms_option_table_names_its_source_and_every_option_it_refuses() -> None:
+    from hy3spark.engines import trtllm
+
+    table = trtllm.table()
+    assert table["source"]["repo"] == "NVIDIA/TensorRT-LLM" and len(table["source"]["commit"]) == 40
+    assert table["trtllm_image"] == load_spec(TRTLLM_EXAMPLE).spec.image.ref
+    dests = {o["dest"] for o in table["options"]}
+    assert (set(trtllm.OWNED) - {"model"}) | trtllm.LAUNCHER | set(trtllm.OTHER) <= dests
+    assert trtllm.check(["--tp_size", "2"]) and trtllm.check(["--log_level", "debug"]) == []
+
+
+def test_plan_says_it_plans_vllm_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from hy3spark.cli import main
+
+    assert main(["plan", str(TRTLLM_EXAMPLE)]) != 0
+    err = capsys.readouterr().err
+    assert "hy3spark's capacity planner models vLLM only, and serving.engine is trtllm" in err
+    assert "Traceback" not in err

@@ -320,3 +320,72 @@ def test_golden_refuses_check_with_accept(golden_copy: Path, capsys: pytest.Capt
         golden.main(["--check", "--accept"], root=golden_copy)
     assert exc.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+# --- TensorRT-LLM on two Sparks (issue 12): what `hy3spark render examples/pair-trtllm-235b.yml` shows -------------
+TRTLLM = REPO / "examples" / "pair-trtllm-235b.yml"
+
+
+def _trtllm_outputs() -> dict[str, str]:
+    return {o.path: o.content for o in render_all(load_spec(TRTLLM))}
+
+
+def test_trtllm_hostfile_lists_both_fabric_addresses_one_slot_each() -> None:
+    outputs = _trtllm_outputs()
+    for node in ("spark-a", "spark-b"):
+        hostfile = outputs[f"files/{node}/etc/hy3spark/openmpi-hostfile"]
+        assert [line for line in hostfile.splitlines() if not line.startswith("#")] == [
+            "10.0.0.1 slots=1", "10.0.0.2 slots=1"]
+        assert "192.168." not in hostfile, "never a management address"
+        container = json.loads(outputs[f"files/{node}/container.json"])
+        assert "/etc/hy3spark/openmpi-hostfile:/etc/openmpi-hostfile:ro" in container["volumes"]
+
+
+def test_trtllm_options_file_is_the_specs_extra_llm_api_options() -> None:
+    outputs = _trtllm_outputs()
+    options = yaml.safe_load(outputs["files/spark-a/etc/hy3spark/engine-options.yml"])
+    assert options == {"cuda_graph_config": {"enable_padding": True},
+                       "kv_cache_config": {"dtype": "auto", "free_gpu_memory_fraction": 0.9},
+                       "print_iter_log": False}
+    assert "files/spark-b/etc/hy3spark/engine-options.yml" not in outputs, "only rank 0's trtllm-serve reads it"
+    text = TRTLLM.read_text().replace("  port: 8355\n", "  port: 8355\n  cuda_graph_config: null\n")
+    rendered = {o.path: o.content for o in render_all(parse_spec(text, "c.yml"))}
+    assert yaml.safe_load(rendered["files/spark-a/etc/hy3spark/engine-options.yml"])["cuda_graph_config"] is None
+
+
+def test_trtllm_launch_line_is_mpirun_then_trtllm_serve() -> None:
+    outputs = _trtllm_outputs()
+    serve = outputs["files/spark-a/etc/hy3spark/serve.sh"]
+    line = next(x for x in serve.splitlines() if x.startswith("exec mpirun"))
+    argv = shlex.split(line)[1:]
+    launch = argv.index("trtllm-llmapi-launch")
+    assert argv[0] == "mpirun" and "-x" in argv[:launch] and argv[launch - 2:launch] == ["-x", "HF_TOKEN"]
+    assert argv[launch + 1:launch + 3] == ["trtllm-serve", "nvidia/Qwen3-235B-A22B-FP4"]
+    engine = argv[launch + 3:]
+    assert engine[engine.index("--tp_size") + 1] == "2" and engine[engine.index("--port") + 1] == "8355"
+    assert engine[engine.index("--extra_llm_api_options") + 1] == "/etc/hy3spark/engine-options.yml"
+    assert "files/spark-b/etc/hy3spark/serve.sh" not in outputs, "mpirun starts the worker's rank"
+    # The secrets come from the 0600 file the script sources before it execs mpirun.
+    assert serve.index(". /etc/hy3spark/secrets.env") < serve.index("exec mpirun")
+
+
+def test_trtllm_containers_run_the_mpi_sshd_on_its_port() -> None:
+    outputs = _trtllm_outputs()
+    for node, role in (("spark-a", "head"), ("spark-b", "worker")):
+        container = json.loads(outputs[f"files/{node}/container.json"])
+        assert container["command"] == ["/bin/sh", "-c", "mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -p 2233 -f "
+                                        "/etc/hy3spark/mpi/sshd_config"]
+        assert (container["network_mode"], container["ipc_mode"]) == ("host", "host")
+        assert container["ulimits"] == ["memlock:-1:-1", "stack:67108864:67108864"]
+        assert container["optional_devices"] == ["/dev/infiniband"] and container["name"] == f"trtllm-{role}"
+        assert "/var/lib/hy3spark/hub:/var/lib/hy3spark/hub" in container["volumes"]
+        assert container["image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc5"
+
+
+def test_trtllm_render_holds_no_secret_value(monkeypatch: pytest.MonkeyPatch, cli) -> None:
+    token = "hf_" + "T" * 34
+    monkeypatch.setenv("HF_TOKEN", token)
+    result = cli("render", str(TRTLLM), "--format", "json")
+    code, out, err = result.code, result.out, result.err
+    assert code == 0 and token not in out + err
+    assert "HF_TOKEN" in out, "named (mpirun -x HF_TOKEN), never valued"

@@ -60,6 +60,7 @@ ENGINE_TITLES = [t[:15] for t in (
 CONNECTION_VARS = {"ansible_host", "ansible_port", "ansible_user", "ansible_ssh_common_args",
                    "ansible_ssh_extra_args", "ansible_ssh_private_key_file", "ansible_python_interpreter"}
 ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_FLAGS = ("--api-key", "--api_key", "--hf-token", "--hf_token", "--token")
 
 
@@ -76,6 +77,7 @@ def _variations() -> dict[str, str]:
     pair = yaml.safe_load((REPO / "examples" / "hy3-two-spark.yml").read_text())
     single = yaml.safe_load((REPO / "examples" / "gpt-oss-single.yml").read_text())
     desktop = yaml.safe_load((REPO / "examples" / "two-card-tp.yml").read_text())
+    trtllm = yaml.safe_load((REPO / "examples" / "pair-trtllm-235b.yml").read_text())
 
     def worker(letter: str, index: int) -> dict[str, Any]:
         return {"name": f"spark-{letter}", "fabric_ip": f"10.0.0.{index}/24", "mgmt_ip": f"192.168.1.{9 + index}",
@@ -130,6 +132,13 @@ def _variations() -> dict[str, str]:
                                        serving={"host": "0.0.0.0", "api_key_env": "VLLM_API_KEY"}),
         "desktop-binds-all-no-address": vary(desktop, head={"name": "desk", "gpus": 2},
                                              serving={"host": "0.0.0.0", "api_key_env": "VLLM_API_KEY"}),
+        "trtllm-loopback-no-token-port": vary(trtllm, serving={"host": "127.0.0.1", "open_endpoint": False,
+                                                               "mpi_port": 2299, "port": 9000},
+                                              model={"token_env": None}),
+        # One node under mpi, no fabric: the hostfile lists localhost (mpirun starts the rank itself).
+        "trtllm-single-no-fabric": vary({**{k: v for k, v in trtllm.items() if k not in ("workers", "fabric")},
+                                         "head": {"name": "solo", "mgmt_ip": "192.168.1.10"}},
+                                        serving={"tensor_parallel": 1}),
         "single-api-key": vary(single, serving={"host": "0.0.0.0", "api_key_env": "HY3SPARK_SOLO_KEY"},
                                earlyoom={"policy": "stop"}),
     }
@@ -215,6 +224,16 @@ class Expect:
     def ray_launcher(self) -> bool:
         # Every launcher today is Ray; issue 13 adds a choice, and only the Ray one needs the Ray flags checked here.
         return self.get("serving.launcher", "ray") == "ray"
+
+    @property
+    def trtllm(self) -> bool:
+        """TensorRT-LLM under the mpi launcher (issue 12): its own launch line, options file and hostfile."""
+        return self.get("serving.engine", "vllm") == "trtllm"
+
+    @property
+    def served_name(self) -> str:
+        # trtllm-serve has no served-name flag: it reports the model under its repo id.
+        return self.get("serving.served_name") or self.spec["model"]["repo"]
 
 
 def expect(case: Case) -> Expect:
@@ -349,6 +368,9 @@ def test_secrets_and_per_node_settings_stay_off_the_workers(name: str) -> None:
     ray_non_carry_over_env_vars.json names the variable: the API key and hub token would reach every worker's Ray
     runtime env (kept in Ray's GCS), and the head's own address and interfaces would override the workers'."""
     ex, r = expect(CASES[name]), rendered(name)
+    if ex.trtllm:
+        check_mpirun_passes_names_only(ex, r)
+        return
     head_env = node_env(r, ex.head.name)
     listed_at = f"files/{ex.head.name}{head_env['VLLM_CONFIG_ROOT']}/ray_non_carry_over_env_vars.json"
     assert listed_at in r.files, f"the list must sit in the head's VLLM_CONFIG_ROOT ({head_env['VLLM_CONFIG_ROOT']})"
@@ -371,6 +393,26 @@ def test_secrets_and_per_node_settings_stay_off_the_workers(name: str) -> None:
         assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= per_node, "the oracle must see the socket interfaces"
 
 
+def check_mpirun_passes_names_only(ex: Expect, r: Rendered) -> None:
+    """No Ray carries the head's environment over under mpi, and no carry-over list is written: mpirun's `-x NAME`
+    passes the head's value of NAME to every rank, so only names whose value is the same on every node are passed,
+    and only as names (a value on the command line would show in `ps`)."""
+    assert not [p for p in r.files if p.endswith("ray_non_carry_over_env_vars.json")]
+    argv = serve_argv(r, ex.head.name)
+    passed = flag_values(argv[:argv.index("trtllm-llmapi-launch")], "-x")
+    assert passed and all(ENV_NAME.fullmatch(n) for n in passed), f"-x takes names only: {passed}"
+    envs = [node_env(r, n.name) for n in ex.nodes]
+    secrets = engine_secret_names()
+    for n in passed:
+        if n in secrets:
+            assert all(n not in env for env in envs), f"{n} is a secret: from the secrets file, never node.env"
+            continue
+        assert len({env.get(n) for env in envs}) == 1, f"-x {n} would give every rank the head's value"
+        assert not n.startswith("OMPI_"), "mpirun's own settings reach the ranks without -x"
+    assert set(passed) >= {"NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES"} if ex.fabric else True
+    assert set(passed) & secrets == {n for n in ("HF_TOKEN",) if ex.token_env}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_no_secret_value_reaches_any_rendered_file(name: str) -> None:
     r = rendered(name)
@@ -388,10 +430,15 @@ def test_each_node_env_is_its_own(name: str) -> None:
             env = node_env(r, node.name)
             fabric_keys = {k for k in env if k in ("VLLM_HOST_IP", "MASTER_ADDR", "UCX_NET_DEVICES")
                            or k.endswith("_SOCKET_IFNAME") or k.startswith(("NCCL_IB_", "OMPI_MCA_"))}
+            if ex.trtllm:  # Open MPI's hostfile and its one rank per node name no fabric
+                fabric_keys -= {"OMPI_MCA_orte_default_hostfile", "OMPI_MCA_rmaps_ppr_n_pernode"}
             assert not fabric_keys, f"{node.name}: fabric settings without a fabric: {fabric_keys}"
             assert env["HF_HUB_OFFLINE"] == "1" and r.modes[f"files/{node.name}/etc/hy3spark/node.env"] == 0o600
         return
     iface = ex.interfaces[0]
+    if ex.trtllm:
+        check_mpi_node_env(ex, r, iface)
+        return
     own_ips = []
     for node in ex.nodes:
         env = node_env(r, node.name)
@@ -413,6 +460,23 @@ def test_each_node_env_is_its_own(name: str) -> None:
         assert r.modes[f"files/{node.name}/etc/hy3spark/node.env"] == 0o600
         own_ips.append(env["VLLM_HOST_IP"])
     assert len(set(own_ips)) == len(ex.nodes)
+
+
+def check_mpi_node_env(ex: Expect, r: Rendered, iface: str) -> None:
+    """NVIDIA's two-Spark environment: the fabric netdev for UCX, NCCL and Open MPI's TCP transport, the hostfile
+    where the container has it, one rank per node; no Ray, no address of the node's own (mpirun has the hostfile)."""
+    for node in ex.nodes:
+        env = node_env(r, node.name)
+        for key in ("NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "OMPI_MCA_btl_tcp_if_include"):
+            assert env[key] == iface, f"{node.name}: {key} must be the fabric port {iface}"
+        assert env["OMPI_MCA_orte_default_hostfile"] == "/etc/openmpi-hostfile"
+        assert env["OMPI_MCA_rmaps_ppr_n_pernode"] == "1"
+        if ex.hcas:
+            assert env["NCCL_IB_HCA"] == "=" + ",".join(ex.hcas), "both RoCE twins, matched exactly"
+        assert not [k for k in env if k.startswith("RAY_") or k.startswith("VLLM_")], "no Ray, no vLLM here"
+        leaked = (engine_secret_names() | {ex.api_key_env, ex.token_env}) & set(env)
+        assert not leaked, f"{node.name}: node.env reaches `docker inspect`, it must not name secrets: {leaked}"
+        assert r.modes[f"files/{node.name}/etc/hy3spark/node.env"] == 0o600
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -469,7 +533,7 @@ def test_earlyoom_never_prefers_the_engine_and_always_avoids_it(name: str) -> No
 @pytest.mark.parametrize("name", NAMES)
 def test_pi_points_at_the_heads_api_with_the_served_name(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
-    served, port = ex.spec["serving"]["served_name"], ex.get("serving.port", DEFAULT_PORT)
+    served, port = ex.served_name, ex.get("serving.port", DEFAULT_PORT)
     host = ex.get("serving.host", DEFAULT_HOST)
     models = json.loads(r.files["files/pi/models.json"])
     settings = json.loads(r.files["files/pi/settings.json"])
@@ -552,7 +616,7 @@ def test_group_vars_hold_the_specs_cluster_in_order(name: str) -> None:
     else:
         assert cluster["fabric"] is None, "the roles read `hy3spark.fabric is none` as: no fabric to configure"
     serving = cluster["serving"]
-    assert serving["served_name"] == ex.spec["serving"]["served_name"]
+    assert serving["served_name"] == ex.served_name
     assert serving["port"] == ex.get("serving.port", DEFAULT_PORT)
     assert serving["api_key_env"] == ex.api_key_env and cluster["model"]["token_env"] == ex.token_env
     assert cluster["ray"]["address"] == (f"{ex.head.ip}:{ex.get('ray.port', DEFAULT_RAY_PORT)}" if ex.fabric
@@ -567,6 +631,9 @@ def test_group_vars_hold_the_specs_cluster_in_order(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
     ex, r = expect(CASES[name]), rendered(name)
+    if ex.trtllm:
+        check_mpirun_launch(ex, r)
+        return
     serving = ex.spec["serving"]
     tp, pp = serving["tensor_parallel"], serving.get("pipeline_parallel", 1)
     if ex.ray_launcher:  # Ray places the ranks: only the head runs the engine
@@ -615,6 +682,42 @@ def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
         assert r.modes[path] == 0o755
 
 
+def check_mpirun_launch(ex: Expect, r: Rendered) -> None:
+    """`mpirun ... trtllm-llmapi-launch trtllm-serve <repo> --tp_size N ... --port P --host H` on the head only,
+    the hostfile of fabric addresses on every node, the options file beside the script."""
+    serving = ex.spec["serving"]
+    tp, pp = serving["tensor_parallel"], serving.get("pipeline_parallel", 1)
+    assert not any(p.endswith("/serve.sh") for p in r.files if not p.startswith(f"files/{ex.head.name}/"))
+    argv = serve_argv(r, ex.head.name)
+    assert argv[0] == "mpirun"
+    launch = argv.index("trtllm-llmapi-launch")
+    assert argv[launch + 1:launch + 3] == ["trtllm-serve", ex.spec["model"]["repo"]]
+    engine = argv[launch + 1:]
+    assert flag_values(engine, "--tp_size") == [str(tp)] and tp * pp == sum(n.gpus for n in ex.nodes)
+    assert flag_values(engine, "--revision") == [str(ex.spec["model"]["revision"])]
+    assert flag_values(engine, "--max_batch_size") == [str(serving["max_num_seqs"])]
+    assert flag_values(engine, "--max_seq_len") == [str(serving["max_model_len"])]
+    assert flag_values(engine, "--port") == [str(serving["port"])]
+    assert flag_values(engine, "--host") == [serving.get("host", DEFAULT_HOST)], "trtllm-serve's default is localhost"
+    assert flag_values(argv[:launch], "plm_rsh_args") == [f"-p {serving.get('mpi_port', 2233)} "
+                                                          "-F /etc/hy3spark/mpi/ssh_config"]
+    options = flag_values(engine, "--extra_llm_api_options")
+    assert options == ["/etc/hy3spark/engine-options.yml"]
+    loaded = yaml.safe_load(r.files[f"files/{ex.head.name}{options[0]}"])
+    assert set(loaded) == {"print_iter_log", "kv_cache_config", "cuda_graph_config"}
+    wanted = serving["kv_cache_config"]["free_gpu_memory_fraction"]
+    assert loaded["kv_cache_config"]["free_gpu_memory_fraction"] == wanted
+    smuggled = [a for a in argv if a.split("=", 1)[0] in SECRET_FLAGS]
+    assert not smuggled, f"a secret flag on the engine's command line (visible in ps): {smuggled}"
+    for node in ex.nodes:
+        hostfile = r.files[f"files/{node.name}/etc/hy3spark/openmpi-hostfile"]
+        hosts = [line for line in hostfile.splitlines() if line and not line.startswith("#")]
+        assert hosts == [f"{n.ip or 'localhost'} slots=1" for n in ex.nodes], "fabric addresses, one slot each"
+    script = r.files[f"files/{ex.head.name}/etc/hy3spark/serve.sh"]
+    sourced = script.index(". /etc/hy3spark/secrets.env")
+    assert script.index("set -a") < sourced < script.index("exec mpirun"), "secrets reach mpirun from the file"
+
+
 def check_ray_command(ex: Any, node: Any, command: list[str], ray_port: str) -> None:
     assert flag_values(command, "--node-ip-address") == [node.ip]
     assert flag_values(command, "--num-gpus") == [str(node.gpus)]
@@ -641,7 +744,11 @@ def test_containers_join_the_head_and_take_no_secret(name: str) -> None:
         assert "env" not in container, "env: values show in `docker inspect`; only the non-secret env file"
         assert container["env_file"] == "/etc/hy3spark/node.env"
         assert f"files/{node.name}{container['env_file']}" in r.files
-        if not ex.ray_launcher:
+        if ex.trtllm:
+            port = ex.get("serving.mpi_port", 2233)
+            assert command[:2] == ["/bin/sh", "-c"] and f"exec /usr/sbin/sshd -D -e -p {port} " in command[2]
+            assert "/etc/hy3spark/openmpi-hostfile:/etc/openmpi-hostfile:ro" in container["volumes"]
+        elif not ex.ray_launcher:
             assert command == ["sleep", "infinity"], "the native launcher's container holds the node, runs no Ray"
         else:
             check_ray_command(ex, node, command, ray_port)
@@ -670,13 +777,16 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
     if ex.get("earlyoom.policy", "protect") == "protect":
         per_node["etc/default/earlyoom"] = 0o644
     head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json": 0o644}
+    if ex.trtllm:  # the options file instead of vLLM's carry-over list; the hostfile on every node
+        head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/engine-options.yml": 0o644}
+        per_node["etc/hy3spark/openmpi-hostfile"] = 0o644
     want = {"files/pi/models.json": 0o644, "files/pi/settings.json": 0o644, "inventory/hosts.yml": 0o644,
             "inventory/group_vars/all/hy3spark.yml": 0o644}
     for node in ex.nodes:
         want[f"inventory/host_vars/{node.name}.yml"] = 0o644
         for rel, mode in {**per_node, **(head_only if node.head else {})}.items():
             want[f"files/{node.name}/{rel}"] = mode
-        if not ex.ray_launcher:  # the native launcher runs the engine on every node
+        if not ex.ray_launcher and not ex.trtllm:  # the native launcher runs the engine on every node
             want[f"files/{node.name}/etc/hy3spark/serve.sh"] = 0o755
     assert r.modes == want
     manifest = ".hy3spark-render.json"

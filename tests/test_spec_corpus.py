@@ -90,9 +90,15 @@ def set_(path: tuple[str | int, ...], value: Any, *, raw: str | None = None, nee
 
 
 def under_ray(mutate: Mutation) -> Mutation:
-    """Only where Ray launches the engine: under the native launcher Ray's ports are free and a ray section is refused
-    as such (tests/test_spec_rules.py holds those rules)."""
-    return lambda text: None if merged_view(text).get("serving", {}).get("launcher") == "native" else mutate(text)
+    """Only where Ray launches the engine: under the native and mpi launchers Ray's ports are free and a ray section
+    is refused as such (tests/test_spec_rules.py holds those rules)."""
+    return lambda text: None if merged_view(text).get("serving", {}).get("launcher") in ("native", "mpi") else (
+        mutate(text))
+
+
+def under(engine: str, mutate: Mutation) -> Mutation:
+    """Only where `engine` serves: a field or flag of one engine's own (vLLM's flags, its served-name, its key)."""
+    return lambda text: mutate(text) if merged_view(text).get("serving", {}).get("engine", "vllm") == engine else None
 
 
 def add_env(name: str, value: str) -> Mutation:
@@ -239,7 +245,16 @@ CASES = [
     refuse("extra-secret-value", "engine-args", set_(("serving", "extra_args"), ["--seed", SECRET]),
            "serving.extra_args"),
     accept("extra-value-shell-payload", "engine-args", ("serving", "extra_args"),
-           ["--override-generation-config", '{"x": "$(touch /tmp/PWN)"}'], '{"x": "$(touch /tmp/PWN)"}'),
+           ["--override-generation-config", '{"x": "$(touch /tmp/PWN)"}'], '{"x": "$(touch /tmp/PWN)"}',
+           mutate=under("vllm", set_(("serving", "extra_args"),
+                                     ["--override-generation-config", '{"x": "$(touch /tmp/PWN)"}']))),
+    accept("trtllm-extra-value-shell-payload", "engine-args", ("serving", "extra_args"),
+           ["--chat_template", "$(touch /tmp/PWN) {x}"], "$(touch /tmp/PWN) {x}",
+           mutate=under("trtllm", set_(("serving", "extra_args"), ["--chat_template", "$(touch /tmp/PWN) {x}"]))),
+    refuse("trtllm-extra-tp-size", "engine-args", under("trtllm", set_(("serving", "extra_args"), ["--tp_size", "4"])),
+           "serving.extra_args"),
+    refuse("trtllm-extra-unknown", "engine-args", under("trtllm", set_(("serving", "extra_args"), ["--api_key=x"])),
+           "serving.extra_args"),
     # Silent last-wins: a key twice, at any level
     refuse("duplicate-top-level", "last-wins", append("name: other\n"), "name"),
     refuse("duplicate-serving", "last-wins", append("serving:\n  port: 9000\n"), "serving"),
@@ -310,8 +325,16 @@ CASES = [
     refuse("serving-port-ray", "policy", under_ray(set_(("serving", "port"), 6379)), "serving.port"),
     refuse("serving-port-dashboard", "policy", under_ray(lambda t: set_(("ray", "dashboard"), "localhost")(
         set_(("serving", "port"), 8265)(t) or t)), "serving.port"),
-    refuse("open-endpoint-no-key", "policy", lambda t: set_(("serving", "host"), "0.0.0.0")(
-        set_(("serving", "api_key_env"), None)(t) or t), "serving.api_key_env"),
+    refuse("open-endpoint-no-key", "policy", under("vllm", lambda t: set_(("serving", "host"), "0.0.0.0")(
+        set_(("serving", "api_key_env"), None)(t) or t)), "serving.api_key_env"),
+    # trtllm-serve checks no key: every address without open_endpoint is refused at serving.host, and a key at all.
+    refuse("trtllm-open-without-saying-so", "policy", under("trtllm", set_(("serving", "open_endpoint"), False)),
+           "serving.host"),
+    refuse("trtllm-api-key", "policy", under("trtllm", set_(("serving", "api_key_env"), "VLLM_API_KEY")),
+           "serving.api_key_env"),
+    refuse("trtllm-mpi-port-ssh", "policy", under("trtllm", set_(("serving", "mpi_port"), 22)), "serving.mpi_port"),
+    refuse("trtllm-vllm-field", "policy", under("trtllm", set_(("serving", "kv_cache_dtype"), "fp8")),
+           "serving.kv_cache_dtype"),
     refuse("gpu-mem-util-above-one", "policy", set_(("serving", "gpu_memory_utilization"), 1.5),
            "serving.gpu_memory_utilization"),
     accept("earlyoom-prefer-browser", "policy", ("earlyoom", "prefer"), ["chrome", "^PWN$"], "^PWN$"),
@@ -353,7 +376,8 @@ CASES = [
     accept("label-with-quotes", "over-strict", ("pi", "model_label"), "Hy3 \"x\": {ansible_connection: local} 'PWN'",
            "Hy3 \"x\": {ansible_connection: local} 'PWN'"),
     accept("provider-name-yaml-ish", "over-strict", ("pi", "provider_name"), "- PWN: [x]", "- PWN: [x]"),
-    accept("served-name-colon", "over-strict", ("serving", "served_name"), "org:model-PWN", "org:model-PWN"),
+    accept("served-name-colon", "over-strict", ("serving", "served_name"), "org:model-PWN", "org:model-PWN",
+           mutate=under("vllm", set_(("serving", "served_name"), "org:model-PWN"))),
 ]
 
 IDS = [case.id for case in CASES]

@@ -23,10 +23,12 @@ from hy3spark.spec import (
     Pi,
     Ray,
     SpecModel,
+    TrtllmServing,
     VllmServing,
     deep_merge,
     format_path,
     load_spec,
+    mpi_hosts,
     parse_spec,
     profile_description,
 )
@@ -294,11 +296,11 @@ def test_engine_defaults_to_vllm_and_selects_its_section() -> None:
     assert spec.serving.engine == "vllm" and isinstance(spec.serving, VllmServing)
 
 
-@pytest.mark.parametrize("engine", ["trtllm", "VLLM", 5, "", None])
+@pytest.mark.parametrize("engine", ["sglang", "VLLM", 5, "", None])
 def test_an_unknown_engine_is_named_with_the_known_ones(engine: Any) -> None:
     text = spec_text(serving={"engine": engine})
     assert only_problem(text) == (f"{at(text, 'engine:')} serving.engine: {engine!r} is not an engine hy3spark "
-                                  "knows; use one of: vllm")
+                                  "knows; use one of: trtllm, vllm")
 
 
 def test_a_field_of_the_engine_is_named_without_the_engines_tag() -> None:
@@ -781,8 +783,9 @@ def test_ray_is_the_default_launcher_and_native_is_a_choice() -> None:
 
 
 def test_an_unknown_launcher_names_the_choices() -> None:
-    assert only_problem(spec_text(serving={"launcher": "mpi"})).endswith(
-        "serving.launcher: 'mpi': Input should be 'ray' or 'native'")
+    assert only_problem(spec_text(serving={"launcher": "slurm"})).endswith(
+        "serving.launcher: 'slurm' is not a launcher of vllm, which runs under ray or native (the launchers by "
+        "engine: trtllm: mpi; vllm: ray, native)")
 
 
 def test_native_world_size_must_divide_by_the_nodes() -> None:
@@ -917,3 +920,178 @@ def test_the_desktop_examples_differ_only_in_the_split(example: str) -> None:
     assert spec.fabric is None and spec.gpu_count == 2 and spec.serving.launcher == "native"
     described = profile_description("qwen3-32b-awq-two-card")
     assert "a 70B AWQ" in described and "does not fit at useful context on 2x24 GB" in described
+
+
+# --- TensorRT-LLM under the mpi launcher (issue 12) ----------------------------------------------------------------
+# BASE's pair with TensorRT-LLM's section: loopback (trtllm-serve checks no key), the API on NVIDIA's port 8355.
+TRTLLM: dict[str, Any] = {"engine": "trtllm", "tensor_parallel": 2, "max_model_len": 4096, "max_num_seqs": 4,
+                          "host": "127.0.0.1", "port": 8355}
+
+
+def trtllm_text(serving: dict[str, Any] | None = None, head: dict[str, Any] | None = None, **over: Any) -> str:
+    data = yaml.safe_load(spec_text(**over))
+    data["serving"] = {**TRTLLM, **(serving or {})}
+    data["head"] = head or data["head"]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def test_trtllm_selects_its_section_under_mpi_and_serves_the_repo_name() -> None:
+    spec = parse_spec(trtllm_text(), "c").spec
+    assert isinstance(spec.serving, TrtllmServing) and spec.serving.launcher == "mpi" and spec.serving.mpi_port == 2233
+    # trtllm-serve has no served-name flag: clients use the repo id, which fills served_name.
+    assert spec.serving.served_name == spec.model.repo == "org/model"
+    assert mpi_hosts(spec) == ["10.0.0.1", "10.0.0.2"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("kv_cache_dtype", "fp8"), ("gpu_memory_utilization", 0.8),
+                                              ("speculative_config", {"method": "mtp"}), ("master_port", 29501),
+                                              ("max_num_batched_tokens", 2048), ("tool_call_parser", "hermes")])
+def test_a_vllm_field_under_trtllm_is_refused_as_vllms(field: str, value: Any) -> None:
+    text = trtllm_text({field: value})
+    assert only_problem(text) == (f"{at(text, field)} serving.{field}: a vllm field; serving.engine is trtllm, whose "
+                                  f"section has no {field} (docs/engines.md): remove it, or set serving.engine: vllm")
+
+
+def test_a_trtllm_field_under_vllm_is_refused_as_trtllms() -> None:
+    text = spec_text(serving={"max_num_tokens": 8192})
+    assert only_problem(text).endswith("serving.max_num_tokens: a trtllm field; serving.engine is vllm, whose section "
+                                       "has no max_num_tokens (docs/engines.md): remove it, or set serving.engine: "
+                                       "trtllm")
+
+
+def test_each_engine_refuses_the_others_launcher() -> None:
+    by_engine = "(the launchers by engine: trtllm: mpi; vllm: ray, native)"
+    text = trtllm_text({"launcher": "ray"})
+    assert only_problem(text) == (f"{at(text, 'launcher')} serving.launcher: 'ray' is not a launcher of trtllm, "
+                                  f"which runs under mpi {by_engine}")
+    text = spec_text(serving={"launcher": "mpi"})
+    assert only_problem(text) == (f"{at(text, 'launcher')} serving.launcher: 'mpi' is not a launcher of vllm, which "
+                                  f"runs under ray or native {by_engine}")
+
+
+def test_trtllm_tp_size_must_be_the_gpu_count() -> None:
+    text = trtllm_text({"tensor_parallel": 4})
+    assert only_problem(text) == (
+        f"{at(text, 'tensor_parallel')} serving.tensor_parallel: tensor_parallel x pipeline_parallel (trtllm-serve's "
+        "--tp_size x --pp_size) = 4 x 1 = 4, but the cluster has 2 GPU(s) (2 node(s)); make the product equal the GPU "
+        "count")
+
+
+def test_the_mpi_launcher_runs_one_rank_per_node() -> None:
+    text = trtllm_text(head={**BASE["head"], "gpus": 2}, workers=[])
+    assert only_problem(text).endswith("head.gpus: 2: the mpi launcher starts one rank per node (slots=1 in the "
+                                       "hostfile, OMPI_MCA_rmaps_ppr_n_pernode=1), so every node must have 1 GPU")
+
+
+@pytest.mark.parametrize(("port", "message"), [
+    (22, "22 is SSH's port on the node, which Ansible reaches the nodes on; the container's sshd shares the host's "
+         "network, so pick another serving.mpi_port (NVIDIA's is 2233)"),
+    (8355, "8355 collides with serving.port, where trtllm-serve's API listens; pick another serving.mpi_port"),
+])
+def test_the_mpi_port_may_not_be_ssh_or_the_api(port: int, message: str) -> None:
+    text = trtllm_text({"mpi_port": port})
+    assert only_problem(text) == f"{at(text, 'mpi_port')} serving.mpi_port: {message}"
+
+
+def test_the_api_port_may_not_be_the_mpi_port_either_way_round() -> None:
+    assert only_problem(trtllm_text({"port": 2233})).endswith(
+        "serving.mpi_port: 2233 collides with serving.port, where trtllm-serve's API listens; pick another "
+        "serving.mpi_port")
+    assert only_problem(trtllm_text({"port": 22})).endswith("serving.port: 22 is SSH's port, which Ansible reaches "
+                                                            "the nodes on; pick another serving.port")
+
+
+def test_under_mpi_rays_ports_are_free_and_a_ray_section_is_refused() -> None:
+    assert parse_spec(trtllm_text({"port": 6379}), "c").spec.serving.port == 6379
+    text = trtllm_text(ray={"port": 7000})
+    assert only_problem(text) == (f"{at(text, 'ray:')} ray: the mpi launcher starts no Ray: the ray section has no "
+                                  "effect under serving.launcher: mpi; remove it")
+
+
+def test_trtllm_checks_no_api_key_so_none_is_taken_and_the_open_endpoint_is_said_out_loud() -> None:
+    text = trtllm_text({"api_key_env": "VLLM_API_KEY"})
+    assert only_problem(text) == (
+        f"{at(text, 'api_key_env')} serving.api_key_env: trtllm-serve checks no API key (NVIDIA/TensorRT-LLM#9950): "
+        "a key set here would protect nothing; remove it, and bind serving.host to 127.0.0.1 or set "
+        "serving.open_endpoint: true")
+    text = trtllm_text({"host": "0.0.0.0"})
+    assert only_problem(text).endswith(
+        "serving.host: 0.0.0.0 serves trtllm-serve's API to anyone who reaches it, and trtllm-serve checks no API "
+        "key (NVIDIA/TensorRT-LLM#9950); bind serving.host to 127.0.0.1, or set serving.open_endpoint: true to "
+        "serve without a key on purpose")
+    assert len(parse_spec(trtllm_text({"host": "0.0.0.0", "open_endpoint": True}), "c").warnings) == 1
+
+
+def test_trtllm_serves_under_the_repo_name_only() -> None:
+    text = trtllm_text({"served_name": "qwen"})
+    assert only_problem(text) == (f"{at(text, 'served_name')} serving.served_name: 'qwen': trtllm-serve has no "
+                                  "served-name flag and reports the model as 'org/model' (model.repo); remove "
+                                  "served_name (it defaults to model.repo)")
+    assert parse_spec(trtllm_text({"served_name": "org/model"}), "c").spec.serving.served_name == "org/model"
+
+
+def test_the_hostfile_holds_fabric_addresses_only() -> None:
+    """The hostfile is built from fabric_ip alone; a management address can reach it only as some node's fabric
+    address, and the address rules refuse that: another node's mgmt_ip, or a node's own mgmt_ip (not in the fabric
+    subnet, where its fabric address is)."""
+    head = {**BASE["head"], "mgmt_ip": "192.168.1.10"}
+    worker = node("spark-b", "192.168.1.10/24", mgmt_ip="192.168.1.11")
+    assert "workers[0].fabric_ip: '192.168.1.10' is already used by head.mgmt_ip" in "\n".join(
+        problems(trtllm_text(head=head, workers=[worker])))
+    own = node("spark-b", "10.0.0.2/24", mgmt_ip="10.0.0.2")
+    assert only_problem(trtllm_text(workers=[own])).endswith(
+        "workers[0].mgmt_ip: 10.0.0.2 is inside the fabric subnet 10.0.0.0/24; the management network must be a "
+        "different subnet")
+    spec = parse_spec(trtllm_text(head=head, workers=[node("spark-b", "10.0.0.2/24", mgmt_ip="192.168.1.11",
+                                                           ssh_host="b.lan")]), "c").spec
+    assert mpi_hosts(spec) == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_one_node_without_a_fabric_lists_localhost_never_its_lan_address() -> None:
+    text = trtllm_text({"tensor_parallel": 1}, head={"name": "solo", "mgmt_ip": "192.168.1.10"}, workers=[],
+                       fabric=None)
+    spec = parse_spec(text, "c").spec
+    assert spec.fabric is None and mpi_hosts(spec) == ["localhost"]
+    with_fabric = parse_spec(trtllm_text({"tensor_parallel": 1}, workers=[]), "c").spec
+    assert mpi_hosts(with_fabric) == ["10.0.0.1"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tp_size", "4"], "'--tp_size': it is set from serving.tensor_parallel, and a second value here would "
+                         "silently win; set serving.tensor_parallel instead"),
+    (["--max_batch_size=8"], "'--max_batch_size': it is set from serving.max_num_seqs"),
+    (["--extra_llm_api_options", "/tmp/x.yml"], "'--extra_llm_api_options': it is set from serving.kv_cache_config"),
+    (["--config", "/tmp/x.yml"], "'--config': it is set from serving.kv_cache_config"),
+    (["--kv_cache_free_gpu_memory_fraction", "0.5"], "'--kv_cache_free_gpu_memory_fraction': it is set from "
+                                                     "serving.kv_cache_config.free_gpu_memory_fraction"),
+    (["--gpus_per_node", "2"], "'--gpus_per_node': the mpi launcher decides how many ranks run where"),
+    (["--api_key", "abc"], "'--api_key' is not a trtllm-serve option in the table of "
+                           "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc5 (hy3spark/engines/trtllm_flags.json)"),
+    (["--tensor-parallel-size", "2"], "'--tensor-parallel-size' is not a trtllm-serve option"),
+    (["--tp", "2"], "'--tp' is not a trtllm-serve option"),
+    (["--server_role", "context"], "'--server_role' is for disaggregated serving, which hy3spark does not deploy"),
+    (["--trust_remote_code=yes"], "'--trust_remote_code' is a flag and takes no value"),
+    (["--log_level"], "'--log_level' needs a value"),
+    (["other/model"], "'other/model' is a second model argument: trtllm-serve takes one, model.repo"),
+])
+def test_trtllm_extra_args_are_read_against_trtllm_serves_table(args: list[str], message: str) -> None:
+    found = only_problem(trtllm_text({"extra_args": args}))
+    assert "serving.extra_args[0]: " + message in found, found
+    assert "abc" not in found
+
+
+def test_trtllm_extra_args_of_real_options_pass() -> None:
+    args = ["--trust_remote_code", "--log_level", "debug", "--ep_size=2", "--enable_chunked_prefill"]
+    assert parse_spec(trtllm_text({"extra_args": args}), "c").spec.serving.extra_args == args
+
+
+def test_the_options_file_fields_are_checked_where_they_are() -> None:
+    text = trtllm_text({"kv_cache_config": {"free_gpu_memory_fraction": 1.5}})
+    assert only_problem(text).endswith("serving.kv_cache_config.free_gpu_memory_fraction: 1.5: Input should be less "
+                                       "than or equal to 1")
+    assert only_problem(trtllm_text({"kv_cache_config": {"dtype": "fp8_e4m3"}})).endswith(
+        "serving.kv_cache_config.dtype: 'fp8_e4m3': Input should be 'auto' or 'fp8'")
+    assert only_problem(trtllm_text({"cuda_graph_config": {"padding": True}})).endswith(
+        "serving.cuda_graph_config.padding: unknown field; check the spelling (see README 'The cluster spec' for "
+        "every field)")
+    assert parse_spec(trtllm_text({"cuda_graph_config": None}), "c").spec.serving.cuda_graph_config is None

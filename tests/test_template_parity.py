@@ -39,6 +39,8 @@ PARITY: dict[str, dict[str, object]] = {
     "ray_non_carry_over_env_vars.json.j2": {
         "scope": "node", "path": "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json", "head_only": True,
     },
+    "engine-options.yml.j2": {"scope": "node", "path": "etc/hy3spark/engine-options.yml", "head_only": True},
+    "openmpi-hostfile.j2": {"scope": "node", "path": "etc/hy3spark/openmpi-hostfile"},
     "container.json.j2": {"scope": "node", "path": "container.json"},
     "docker-run.sh.j2": {"scope": "node", "path": "docker-run.sh"},
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},

@@ -44,6 +44,7 @@ FQCN = "hy3spark.cluster."
 FORMAT_BY_SUFFIX = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
 FORMAT_BY_NAME = {
     "earlyoom.j2": "env",  # /etc/default/earlyoom: systemd's EnvironmentFile= of earlyoom.service
+    "openmpi-hostfile.j2": "hostfile",  # Open MPI's hostfile: one `HOST slots=N` line per node, `#` comments
 }
 # Per format, the filter chains an interpolation may end in, outermost first: ("quote", "x") is `x | quote`.
 SERIALISERS: dict[str, set[tuple[str, ...]]] = {
@@ -53,8 +54,10 @@ SERIALISERS: dict[str, set[tuple[str, ...]]] = {
     "env": {(f"{FQCN}env_key",), (f"{FQCN}env_value",)},
     # An env file that bash sources (secrets.env, `set -a; . file`): one NAME=value line each, the value a shell word.
     "sourced-env": {(f"{FQCN}env_key",), ("quote", f"{FQCN}env_value")},
+    # Open MPI splits a hostfile line at blanks: a host is one line (one_line) and one word (quote).
+    "hostfile": {("quote", f"{FQCN}one_line")},
 }
-COMMENTS = {"yaml", "sh", "env", "sourced-env"}  # formats with `#` line comments (JSON has none)
+COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile"}  # formats with `#` line comments (JSON has none)
 COMMENT_SERIALISERS = {(f"{FQCN}one_line",)}
 # ("templates/<name>", dotted name) -> why it may be emitted without a serialiser. Only values no spec can set.
 ALLOW_BARE: dict[tuple[str, str], str] = {}

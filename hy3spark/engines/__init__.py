@@ -6,15 +6,18 @@ An engine turns the spec's serving section (its own union member, spec.VllmServi
 - its per-node environment, laid out around the settings every engine shares (`node_env`);
 - the secrets it reads on the head (`secret_env`);
 - how its processes are recognised (`process`) and which log lines say what its KV cache holds (`log_lines`);
-- which of `serving.extra_args` its own parser would take as an option the spec leaves open (`check_extra_args`).
+- which of `serving.extra_args` its own parser would take as an option the spec leaves open (`check_extra_args`);
+- optionally, the content of its own options file (`options`: TensorRT-LLM's extra LLM API options), rendered to
+  hy3spark.paths.engine_options; an engine without one has no such method.
 build_context() publishes all of it as `hy3spark.engine` and `hy3spark.serving`, so roles and templates never
 assume which engine produced them. docs/engines.md is the checklist for adding one.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
+from hy3spark.engines.trtllm import TrtllmEngine
 from hy3spark.engines.vllm import VllmEngine
 from hy3spark.spec import Node, Spec
 
@@ -41,7 +44,7 @@ class Engine(Protocol):
     def log_lines(self) -> dict[str, str]: ...
 
 
-ENGINES: dict[str, type[VllmEngine]] = {"vllm": VllmEngine}
+ENGINES: dict[str, type[VllmEngine] | type[TrtllmEngine]] = {"vllm": VllmEngine, "trtllm": TrtllmEngine}
 
 
 # Every variable an engine may read a secret from (kept off the workers and out of every rendered file).
@@ -50,3 +53,9 @@ SECRET_NAMES = frozenset(name for engine in ENGINES.values() for name in engine.
 
 def engine_for(spec: Spec) -> Engine:
     return ENGINES[spec.serving.engine](spec)
+
+
+def engine_options(engine: Engine) -> dict[str, Any] | None:
+    """The engine's own options file, or None for an engine that reads none (an optional answer: vLLM has none)."""
+    options = getattr(engine, "options", None)
+    return options() if options is not None else None

@@ -1,0 +1,21 @@
+#!/bin/bash
+# Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file.
+# Runs inside this node's container (docker exec -d), where Ray (or the native launcher's holder) is PID 1, so
+# the engine's output goes both to the serve log and to PID 1's stdout (`docker logs` shows it):
+# /var/log/hy3spark/serve.log
+# Or on the host, from an operator's engine venv (one node, no container): there a transient systemd unit runs it
+# (systemd sets INVOCATION_ID), and its own stdout is the unit's journal.
+set -euo pipefail
+if [ -r /etc/hy3spark/secrets.env ]; then
+  # Secrets reach the engine's environment from a 0600 file, never its command line.
+  set -a
+  . /etc/hy3spark/secrets.env
+  set +a
+fi
+if [ -n "${INVOCATION_ID:-}" ]; then
+  exec > >(tee -a /var/log/hy3spark/serve.log) 2>&1
+else
+  exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
+fi
+echo 'hy3spark: starting trtllm for pair-trtllm (spec 19c469e084b7)'
+exec mpirun --mca plm_rsh_args '-p 2233 -F /etc/hy3spark/mpi/ssh_config' -x MASTER_ADDR -x NCCL_SOCKET_IFNAME -x GLOO_SOCKET_IFNAME -x TP_SOCKET_IFNAME -x UCX_NET_DEVICES -x NCCL_IB_DISABLE -x HF_HUB_CACHE -x HF_HUB_OFFLINE -x HF_HUB_DISABLE_TELEMETRY -x NCCL_IB_HCA -x NCCL_DEBUG -x NCCL_DEBUG_SUBSYS -x HF_TOKEN trtllm-llmapi-launch trtllm-serve nvidia/Qwen3-235B-A22B-FP4 --revision main --tp_size 2 --backend pytorch --max_num_tokens 32768 --max_batch_size 4 --max_seq_len 32768 --extra_llm_api_options /etc/hy3spark/engine-options.yml --port 8355 --host 0.0.0.0
