@@ -193,3 +193,15 @@ def test_site_yml_stops_a_launcher_whose_role_is_not_built_before_anything_runs(
     assert "the mpi launcher's role is not built yet; see issue 12" in out
     # Stopped in the first play: no node was contacted (drift, preflight and the rest never started).
     assert "Compare every node" not in out and "UNREACHABLE" not in out, out
+
+
+def test_trtllms_packaged_table_is_the_one_the_double_extracts() -> None:
+    """The engine's hand-written table and the double's, made by tests/trtllm_double/make_flags.py from the same
+    serve.py, agree option for option (the packaged one adds click's implicit --help)."""
+    from hy3spark.engines import trtllm
+
+    extracted = json.loads((REPO / "tests" / "trtllm_double" / "src" / "trtllm_double" / "flags.json").read_text())
+    assert extracted["source"]["commit"] == trtllm.table()["source"]["commit"]
+    theirs = {tuple(o["opts"]): (o["dest"], not o["is_flag"]) for o in extracted["options"]}
+    ours = {tuple(o["strings"]): (o["dest"], o["takes_value"]) for o in trtllm.table()["options"]}
+    assert ours == {**theirs, ("--help",): ("help", False)}
