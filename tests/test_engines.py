@@ -205,3 +205,16 @@ def test_trtllms_packaged_table_is_the_one_the_double_extracts() -> None:
     theirs = {tuple(o["opts"]): (o["dest"], not o["is_flag"]) for o in extracted["options"]}
     ours = {tuple(o["strings"]): (o["dest"], o["takes_value"]) for o in trtllm.table()["options"]}
     assert ours == {**theirs, ("--help",): ("help", False)}
+
+
+def test_a_trtllm_option_that_takes_a_secret_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None does today (no --api_key in trtllm-serve); a table regenerated from a release that adds one refuses it."""
+    from hy3spark.engines import trtllm
+
+    options = {**trtllm._options(), "--api_key": {"strings": ["--api_key"], "dest": "api_key", "takes_value": True},
+               "--hf_token": {"strings": ["--hf_token"], "dest": "hf_token", "takes_value": True}}
+    monkeypatch.setattr(trtllm, "_options", lambda: options)
+    found = trtllm.check(["--api_key", "sk-abc", "--hf_token=hf_x", "--log_level", "info"])
+    assert [i for i, _ in found] == [0, 2] and all("would put a secret on the process command line" in m
+                                                   for _, m in found)
+    assert not any("sk-abc" in m or "hf_x" in m for _, m in found)
