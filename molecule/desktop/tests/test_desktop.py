@@ -4,7 +4,8 @@ split (cluster.yml, as examples/two-card-tp.yml); these tests run in file order 
 split as converge left it, then the pipeline split (the same spec with tensor_parallel 1 and pipeline_parallel 2, as
 examples/two-card-pp.yml) rendered and deployed to the same node, converged twice (the second changes nothing),
 checked the same way; then the tensor split again with the engine run from a venv on the node (hy3spark_engine_venv,
-made by prepare.yml) with no container, converged twice, checked, watched by drift and reported by status; then
+made by prepare.yml) with no container, converged twice and once in --check, checked, watched by drift and
+reported by status; then
 teardown.
 
 The engine is the vLLM TEST DOUBLE with two fake GPUs; vLLM 0.23.0 recorded no KV outcome for Qwen3-32B, so it
@@ -294,6 +295,13 @@ def test_venv_idempotence() -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0 and recap(result.stdout) == {NODE: 0}, out
     assert "leaving the engine alone: the same command is serving" in flat(out), out
+    assert host_engine()[0] == pid
+
+
+def test_venv_check_mode_changes_nothing() -> None:
+    pid, _argv, _ranks = host_engine()
+    result = playbook(str(SCENARIO / "converge.yml"), *WITH_VENV, "--check", "--diff")
+    assert result.returncode == 0 and recap(result.stdout) == {NODE: 0}, result.stdout + result.stderr
     assert host_engine()[0] == pid
 
 
