@@ -5,8 +5,7 @@ split as converge left it, then the pipeline split (the same spec with tensor_pa
 examples/two-card-pp.yml) rendered and deployed to the same node, converged twice (the second changes nothing),
 checked the same way; then the tensor split again with the engine run from a venv on the node (hy3spark_engine_venv,
 made by prepare.yml) with no container, converged twice and once in --check, checked, watched by drift and
-reported by status; then
-teardown.
+reported by status; then teardown.
 
 The engine is the vLLM TEST DOUBLE with two fake GPUs; vLLM 0.23.0 recorded no KV outcome for Qwen3-32B, so it
 serves without KV lines (cluster.yml): nothing here reads KV numbers. Bench against both splits and the comparison
