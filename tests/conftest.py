@@ -28,3 +28,18 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
         return Result(code, captured.out, captured.err)
 
     return run
+
+
+# The files that spend minutes on containers go first: under pytest-xdist (scripts/test: --dist loadfile) each starts
+# at once on its own worker and the quick files fill the other workers meanwhile, instead of one of them starting
+# last and running alone at the end. Without xdist the order changes nothing a test may depend on (each file keeps
+# its own order).
+SLOW_FIRST = ("test_operator_cli.py", "test_bench.py", "test_engine_double.py", "test_trtllm_double.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: the files keep their order among themselves, and each file its tests
