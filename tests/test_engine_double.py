@@ -34,6 +34,8 @@ from hy3spark.spec import load_spec, parse_spec
 REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "engine_double"
 sys.path.insert(0, str(DOUBLE))
+import docker_runs  # noqa: E402
+from docker_runs import docker  # noqa: E402
 from make_model import make_model  # noqa: E402
 from test_operator_cli import SPEC as OPERATOR_CLI_SPEC  # noqa: E402
 
@@ -64,30 +66,14 @@ def rendered(model: str, revision: str, **overrides: str) -> list[str]:
     return argv
 
 
-def docker(*args: str, check: bool = True, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout, **kwargs)
-
-
 def remove_leftovers() -> None:
     """This run's containers and network, and those of runs whose process is gone (a killed pytest)."""
-    runs = {RUN}
-    for kind, field in (("ps -a", "{{.Names}}"), ("network ls", "{{.Name}}")):
-        for name in docker(*kind.split(), "--filter", f"label={LABEL}", "--format", field).stdout.split():
-            pid = name.split("-")[2]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                runs.add(f"engine-double-{pid}")
-    for run in runs:
-        docker("rm", "-f", f"{run}-head", f"{run}-worker", check=False)
-        docker("network", "rm", run, check=False)
+    docker_runs.remove_leftovers("engine-double", LABEL)
 
 
 def create_network() -> None:
     global HEAD_IP, WORKER_IP
-    for subnet in SUBNETS:
-        if docker("network", "create", "--label", LABEL, "--subnet", subnet, NETWORK, check=False).returncode == 0:
-            HEAD_IP, WORKER_IP = subnet.replace(".0/24", ".11"), subnet.replace(".0/24", ".12")
-            return
-    pytest.fail(f"no free subnet among {SUBNETS[0]}..{SUBNETS[-1]} for the test network")
+    HEAD_IP, WORKER_IP = docker_runs.create_network(NETWORK, LABEL, SUBNETS)
 
 
 @dataclass

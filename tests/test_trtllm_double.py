@@ -35,6 +35,8 @@ DOUBLE = REPO / "tests" / "trtllm_double"
 SRC = DOUBLE / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(REPO / "tests" / "engine_double"))
+import docker_runs  # noqa: E402
+from docker_runs import docker  # noqa: E402
 from make_model import make_model  # noqa: E402
 from trtllm_double import cli, engine, options  # noqa: E402
 
@@ -297,21 +299,9 @@ HUB = "/var/lib/hy3spark/hub"
 MPI_DIR = "/etc/hy3spark/mpi"  # the head's client side: key, known_hosts, hostfile, options
 
 
-def docker(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout)
-
-
 def remove_leftovers() -> None:
     """This run's containers and network, and those of earlier runs whose pytest is gone."""
-    runs = {RUN}
-    for kind, field in (("ps -a", "{{.Names}}"), ("network ls", "{{.Name}}")):
-        for name in docker(*kind.split(), "--filter", f"label={LABEL}", "--format", field).stdout.split():
-            pid = name.split("-")[2]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                runs.add(f"trtllm-double-{pid}")
-    for run in runs:
-        docker("rm", "-f", f"{run}-head", f"{run}-worker", check=False)
-        docker("network", "rm", run, check=False)
+    docker_runs.remove_leftovers("trtllm-double", LABEL)
 
 
 @dataclass
@@ -356,12 +346,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     image = built.stdout.strip().splitlines()[-1]
     tmp = tmp_path_factory.mktemp("trtllm-double")
     remove_leftovers()
-    for subnet in SUBNETS:
-        if docker("network", "create", "--label", LABEL, "--subnet", subnet, RUN, check=False).returncode == 0:
-            break
-    else:
-        pytest.fail(f"no free subnet among {SUBNETS[0]}..{SUBNETS[-1]} for the test network")
-    head_ip, worker_ip = subnet.replace(".0/24", ".11"), subnet.replace(".0/24", ".12")
+    head_ip, worker_ip = docker_runs.create_network(RUN, LABEL, SUBNETS)
     client = tmp / "client"
     client.mkdir()
     keypair(client / "id_ed25519", "hy3spark-mpi")
