@@ -44,9 +44,11 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
     nodes = (summary or {}).get("nodes", {})
     head = nodes.get(loaded.spec.head.name, {})
     versions = head.get("versions", {})
+    engine = loaded.spec.serving.engine
     args = list(ansible_args or [])
     record = {
         "cluster": loaded.spec.name,
+        "engine": engine,
         "spec": loaded.source,
         "spec_sha256": loaded.sha256,
         "started": started,
@@ -56,7 +58,9 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
         "phases_s": result.phases,
         "ansible_args": args,
         "image_ids": {name: node.get("image_id") for name, node in nodes.items()},
-        "versions": {k: versions.get(k) or None for k in ("vllm", "ray", "python", "nccl", "driver")},
+        # The engine's own version under its name (what bench falls back on when the endpoint has no /version).
+        "versions": {k: versions.get(k) or None for k in dict.fromkeys((engine, "vllm", "ray", "python", "nccl",
+                                                                         "driver"))},
         "kv_lines": (summary or {}).get("kv_lines", []),
         "kv_predicted": _predicted(loaded),
         "transport": (summary or {}).get("transport"),
@@ -73,7 +77,7 @@ def write_record(loaded: Loaded, runs_dir: Path, result: RunResult, summary: dic
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     kv = "; ".join(x.split("] ")[-1] for x in record["kv_lines"]) or "no KV lines"
     command = f"up {loaded.spec.name}" + (" --check" if "--check" in args else "")
-    line = (f"| {started} | {command} | {loaded.spec.serving.engine} {record['versions']['vllm'] or '?'} "
+    line = (f"| {started} | {command} | {engine} {record['versions'][engine] or '?'} "
             f"| {result.status} in {result.duration_s:.0f} s | {kv} | transport: {record['transport'] or '?'} "
             f"| {path.name} |\n")
     append_labbook(labbook, line)

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from hy3spark.context import ENGINE_START, client_url
+from hy3spark.engines import engine_for
 from hy3spark.playbooks import AnsibleArgs, run
 from hy3spark.records import last_record
 from hy3spark.runner import RunResult, plain
-from hy3spark.spec import Loaded
+from hy3spark.spec import Loaded, Spec
 
 _RAY_NODES = re.compile(r"^\s*(\d+)\s+node_", re.M)
 _RAY_GPUS = re.compile(r"([\d.]+)/([\d.]+) GPU")
@@ -44,11 +45,18 @@ def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None,
         # The URL clients use (the context's, honouring serving.host), without the OpenAI /v1 suffix.
         "endpoint": {"url": client_url(loaded.spec).removesuffix("/v1"),
                      "health": head.get("health"), "models": head.get("models", [])},
-        "kv_lines": [x for x in lines if "KV cache size" in x or "Maximum concurrency" in x],
+        "kv_lines": kv_lines_of(loaded.spec, lines),
         "transport": _transport(lines),
         "last_run": last_record(runs_dir, loaded.spec.name),
     }
     return result, summary
+
+
+def kv_lines_of(spec: Spec, lines: list[str]) -> list[str]:
+    """The lines in which the engine reports its KV cache, by its own patterns (vLLM's size and concurrency lines,
+    TensorRT-LLM's allocation line): what `up` records and bench reads."""
+    patterns = [re.compile(p) for p in engine_for(spec).log_lines().values()]
+    return [x for x in lines if any(p.search(x) for p in patterns)]
 
 
 def current_engine_lines(lines: list[str]) -> list[str]:
