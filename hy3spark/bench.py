@@ -19,6 +19,11 @@ Beside the numbers each run keeps what explains them: the split (TP x PP, launch
 `playbooks/preflight.yml --tags gpu_link`, repeated until the load ends; the last reading that finished before the
 load ended counts), because the current generation drops at idle. When the nodes cannot be asked, the idle readings
 of the last `up`'s run record stand in, and the line says so. `hy3spark labbook --compare` shows runs side by side.
+
+Any engine: the model is the spec's served_name as /v1/models lists it (TensorRT-LLM's is the repository), the engine
+is the endpoint's own word for itself (/v1/models' owned_by, in hy3spark's names), its version what the endpoint's
+/version says (vLLM and trtllm-serve both serve it), else the last `up` record's reading, else "unknown". A reading
+an engine does not give (TensorRT-LLM logs no maximum-concurrency line) says "not available for engine NAME".
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ TOKENIZER_DIR = "hy3spark-tokenizer"
 # guidellm reads its settings, the scenario's included, from GUIDELLM__* variables: the key travels in the child's
 # environment (readable only by this user), never on a command line nor in a file.
 GUIDELLM_KEY_ENV = "GUIDELLM__SPEC__BACKEND__API_KEY"
+# /v1/models' owned_by -> the engine's name in hy3spark (serving.engine), so a vLLM line and a TensorRT-LLM line of one
+# cluster name their engines the way the spec does. An owner not listed here is kept as the endpoint says it.
+ENGINE_OF_OWNER = {"vllm": "vllm", "tensorrt_llm": "trtllm"}
 PROMPT_SUFFIXES = {".txt": "text_file", ".text": "text_file", ".jsonl": "json_file", ".json": "json_file",
                    ".csv": "csv_file"}
 
@@ -107,6 +115,8 @@ class Endpoint:
     model: str
     engine: str
     version: str | None
+    # Where the version was read: "endpoint /version", "run record <file>"; None: nowhere (the labbook says unknown).
+    version_from: str | None = None
 
 
 @dataclass
@@ -123,7 +133,7 @@ class BenchResult:
     split: dict[str, Any] = field(default_factory=dict)
     # {source, under_load, nodes: {node: preflight_gpu_link reading or None}, note}; None: not read (--link off)
     link: dict[str, Any] | None = None
-    # {source, lines, kv_cache_tokens, max_concurrency}; None: no run record of this cluster
+    # {source, lines, engine, kv_cache_tokens, max_concurrency, not_logged}; None: no run record of this cluster
     kv: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -149,8 +159,10 @@ def _get(url: str, api_key: str | None, timeout: float = 10.0) -> Any:
         return json.loads(response.read() or b"null")
 
 
-def probe(target: str, api_key: str | None, key_env: str | None, engine_hint: str) -> Endpoint:
-    """The served model (/v1/models), the engine (its owned_by) and version (/version, which vLLM serves)."""
+def probe(target: str, api_key: str | None, key_env: str | None, engine_hint: str,
+          served_name: str | None = None) -> Endpoint:
+    """The served model (/v1/models: `served_name` when listed, else the first), the engine (its owned_by) and
+    version (/version, which vLLM and trtllm-serve serve)."""
     target = target.rstrip("/")
     try:
         models = _get(f"{target}/models", api_key)
@@ -167,13 +179,18 @@ def probe(target: str, api_key: str | None, key_env: str | None, engine_hint: st
     data = (models or {}).get("data") or []
     if not data:
         raise Hy3SparkError(f"{target}/models lists no model")
+    card = next((m for m in data if served_name and m.get("id") == served_name), data[0])
+    if served_name and card.get("id") != served_name:
+        print(f"warning: {target}/models lists {', '.join(str(m.get('id')) for m in data)}, not the spec's "
+              f"served_name {served_name}: benching {card.get('id')}", file=sys.stderr)
+    owner = str(card.get("owned_by") or "")
     version = None
-    # Not every engine serves /version (vLLM does, at the root): the labbook then says "?".
+    # Not every server answers /version (vLLM and trtllm-serve do, at the root): run() then looks further.
     with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
         got = _get(f"{target.removesuffix('/v1')}/version", api_key)
         version = str(got["version"]) if isinstance(got, dict) and got.get("version") else None
-    return Endpoint(target=target, model=str(data[0].get("id")), engine=str(data[0].get("owned_by") or engine_hint),
-                    version=version)
+    return Endpoint(target=target, model=str(card.get("id")), engine=ENGINE_OF_OWNER.get(owner, owner or engine_hint),
+                    version=version, version_from="endpoint /version" if version else None)
 
 
 # --- guidellm ------------------------------------------------------------------------------------------------------
@@ -357,8 +374,8 @@ def run_vllm(endpoint: Endpoint, settings: Settings, out_dir: Path, container: s
 
 
 # --- what explains the numbers: the split, the KV lines, the GPU links under load ----------------------------------
-_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
-_MAX_CONCURRENCY = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+# Each KV reading and the engine's log_lines() pattern that gives it (its last group is the number).
+KV_READINGS = {"kv_cache_tokens": "kv_cache", "max_concurrency": "concurrency"}
 LINK_MODES = ("nodes", "record", "off")
 
 
@@ -368,15 +385,24 @@ def split_of(spec: Any) -> dict[str, Any]:
             "launcher": getattr(s, "launcher", "ray"), "nodes": len(spec.nodes)}
 
 
-def kv_of(record: tuple[Path, dict[str, Any]] | None) -> dict[str, Any] | None:
-    """The KV lines the last `up` of this cluster recorded (what the engine logged at startup)."""
+def kv_of(record: tuple[Path, dict[str, Any]] | None, engine: str, patterns: dict[str, str]) -> dict[str, Any] | None:
+    """The KV lines the last `up` of this cluster recorded (what the engine logged at startup), read with the engine's
+    own patterns (`patterns`: its log_lines()). A reading the engine logs no line for is `not_logged`, not None."""
     if record is None:
         return None
     path, data = record
     lines = [str(x).split("] ")[-1] for x in data.get("kv_lines") or []]
-    tokens = next((int(m.group(1).replace(",", "")) for x in lines if (m := _KV_TOKENS.search(x))), None)
-    conc = next((float(m.group(1)) for x in lines if (m := _MAX_CONCURRENCY.search(x))), None)
-    return {"source": f"run record {path.name}", "lines": lines, "kv_cache_tokens": tokens, "max_concurrency": conc}
+
+    def number(key: str) -> str | None:
+        found = (m for x in lines if key in patterns and (m := re.search(patterns[key], x)))
+        match = next(found, None)
+        return match.group(match.lastindex or 0).replace(",", "") if match else None
+
+    tokens, conc = number("kv_cache"), number("concurrency")
+    return {"source": f"run record {path.name}", "lines": lines, "engine": engine,
+            "kv_cache_tokens": None if tokens is None else int(tokens),
+            "max_concurrency": None if conc is None else float(conc),
+            "not_logged": [reading for reading, key in KV_READINGS.items() if key not in patterns]}
 
 
 def link_from_record(record: tuple[Path, dict[str, Any]] | None, why: str) -> dict[str, Any]:
@@ -497,12 +523,24 @@ def link_source(link: dict[str, Any] | None) -> str:
     return str(link.get("source") or "?")
 
 
+def kv_reading(kv: dict[str, Any] | None, reading: str, missing: str = "?") -> str:
+    """One KV reading as text: `missing` when not read, "not available for engine NAME" when the engine logs none."""
+    if kv and reading in (kv.get("not_logged") or []):
+        return f"not available for engine {kv.get('engine')}"
+    value = (kv or {}).get(reading)
+    if value is None:
+        return missing
+    return f"{value:,}" if reading == "kv_cache_tokens" else f"{value:g}x"
+
+
 def kv_text(kv: dict[str, Any] | None) -> str:
     if not kv:
         return "no KV lines"
-    tokens, conc = kv.get("kv_cache_tokens"), kv.get("max_concurrency")
-    return (f"KV cache {'?' if tokens is None else f'{tokens:,}'} tokens, max concurrency "
-            f"{'?' if conc is None else f'{conc:g}x'}")
+    return f"KV cache {kv_reading(kv, 'kv_cache_tokens')} tokens, max concurrency {kv_reading(kv, 'max_concurrency')}"
+
+
+def engine_text(endpoint: dict[str, Any]) -> str:
+    return f"{endpoint['engine']} {endpoint.get('version') or 'unknown'}"
 
 
 def labbook_line(result: BenchResult) -> str:
@@ -515,7 +553,7 @@ def labbook_line(result: BenchResult) -> str:
     )
     link = ", ".join(f"{k} {v}" for k, v in link_rows(result.link).items()) or "-"
     report = Path(result.report).parent.name if result.report else "-"
-    return (f"| {result.date} | bench {_cell(result.label)} | {_cell(e.engine)} {_cell(e.version or '?')} "
+    return (f"| {result.date} | bench {_cell(result.label)} | {_cell(engine_text(asdict(e)))} "
             f"| {_cell(result.tool)}: {s.requests} req/level, max_tokens {s.max_tokens}, {_cell(s.prompt_set)} "
             f"| {_cell(split_text(result.split))} | link {_cell(link_source(result.link))}: {_cell(link)} "
             f"| {_cell(kv_text(result.kv))} | {levels} | {report} |\n")
@@ -523,7 +561,7 @@ def labbook_line(result: BenchResult) -> str:
 
 def print_table(result: BenchResult) -> None:
     e = result.endpoint
-    print(f"bench {result.label}: {e.engine} {e.version or '?'} at {e.target}, model {e.model}, {result.tool}")
+    print(f"bench {result.label}: {engine_text(asdict(e))} at {e.target}, model {e.model}, {result.tool}")
     print(f"{'concurrency':>11} {'output tok/s':>12} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9} {'ok':>4} {'err':>4}   (ms)")
     for lv in result.levels:
@@ -540,11 +578,15 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     report, append one labbook line. `link`: nodes (under load, the record when the nodes cannot be asked), record
     (the last `up`'s idle readings), off. `read_links` replaces the nodes' reading (tests)."""
     from hy3spark.context import build_context
+    from hy3spark.engines import engine_for
     from hy3spark.records import append_labbook, newest_record, now
 
     spec = loaded.spec
     if link not in LINK_MODES:
         raise Hy3SparkError(f"--link {link!r}: one of {', '.join(LINK_MODES)}")
+    if tool == "vllm" and spec.serving.engine != "vllm":
+        raise Hy3SparkError(f"--tool vllm runs `vllm bench serve` in the head container: not available for engine "
+                            f"{spec.serving.engine} (its image has no vLLM); use --tool guidellm (the default)")
     if tool == "guidellm":
         bench_venv()  # before anything else: a missing venv is a setup step, not a run failure
     context = build_context(loaded)
@@ -552,13 +594,21 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     api_key = os.environ.get(key_env) if key_env else None
     if key_env and not api_key:
         print(f"warning: {key_env} is not set: requests go without an API key", file=sys.stderr)
-    endpoint = probe(target or context["hy3spark"]["serving"]["base_url"], api_key, key_env, spec.serving.engine)
+    endpoint = probe(target or context["hy3spark"]["serving"]["base_url"], api_key, key_env, spec.serving.engine,
+                     spec.serving.served_name)
+    if endpoint.engine != spec.serving.engine:
+        print(f"warning: {endpoint.target} is served by {endpoint.engine}, not the spec's serving.engine "
+              f"{spec.serving.engine}: the line names {endpoint.engine}", file=sys.stderr)
     label = label or spec.name
     date = now()
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "run"
     out_dir = runs_dir / "bench" / f"{date.replace('-', '').replace(':', '')}-{slug}"
     out_dir.mkdir(parents=True, exist_ok=True)
     record = newest_record(runs_dir, spec.name)
+    if endpoint.version is None and record is not None and endpoint.engine == spec.serving.engine:
+        recorded = (record[1].get("versions") or {}).get(endpoint.engine)
+        if recorded:
+            endpoint.version, endpoint.version_from = str(recorded), f"run record {record[0].name}"
     sampler = None
     if link == "nodes":
         print("reading the GPU links on the nodes while the load runs (roles/preflight, tag gpu_link)",
@@ -589,7 +639,8 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
     elif link == "record":
         links = link_from_record(record, "--link record")
     result = BenchResult(label=label, date=date, tool=tool_name, endpoint=endpoint, settings=settings, levels=levels,
-                         report=str(report), split=split_of(spec), link=links, kv=kv_of(record))
+                         report=str(report), split=split_of(spec), link=links,
+                         kv=kv_of(record, spec.serving.engine, engine_for(spec).log_lines()))
     (out_dir / "result.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     append_labbook(labbook, labbook_line(result))
     return result
@@ -597,14 +648,16 @@ def run(loaded: Any, *, settings: Settings, tool: str, label: str | None, target
 
 # --- side by side: `hy3spark labbook --compare` ------------------------------------------------------------------
 def labbook_runs(labbook: Path) -> list[dict[str, str]]:
-    """The bench lines of a lab notebook, oldest first: {date, label, run} (run: the report directory's name)."""
+    """The bench lines of a lab notebook, oldest first: {date, label, engine, run} (engine: its name and version as
+    the line gives them; run: the report directory's name)."""
     if not labbook.is_file():
         raise Hy3SparkError(f"no lab notebook at {labbook} (hy3spark bench writes it; --labbook names another)")
     runs = []
     for line in labbook.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
         if len(cells) >= 3 and cells[1].startswith("bench "):
-            runs.append({"date": cells[0], "label": cells[1].removeprefix("bench "), "run": cells[-1]})
+            runs.append({"date": cells[0], "label": cells[1].removeprefix("bench "), "engine": cells[2],
+                         "run": cells[-1]})
     return runs
 
 
@@ -639,8 +692,8 @@ def compare_rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         return [fn(r) for r in runs]
 
     rows: list[tuple[str, list[str]]] = [
+        ("engine", each(lambda r: engine_text(r["endpoint"]))),
         ("date", each(lambda r: str(r.get("date")))),
-        ("engine", each(lambda r: f"{r['endpoint']['engine']} {r['endpoint'].get('version') or '?'}")),
         ("model", each(lambda r: str(r["endpoint"]["model"]))),
         ("tool", each(lambda r: f"{r['tool']}, {r['settings']['requests']} req/level, max_tokens "
                                 f"{r['settings']['max_tokens']}, {r['settings']['prompts']}")),
@@ -650,10 +703,8 @@ def compare_rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     links = [link_rows(r.get("link")) for r in runs]
     for key in dict.fromkeys(k for lr in links for k in lr):
         rows.append((f"  {key}", [lr.get(key, "-") for lr in links]))
-    rows.append(("KV cache tokens", each(lambda r: "-" if not r.get("kv") or r["kv"].get("kv_cache_tokens") is None
-                                         else f"{r['kv']['kv_cache_tokens']:,}")))
-    rows.append(("max concurrency", each(lambda r: "-" if not r.get("kv") or r["kv"].get("max_concurrency") is None
-                                         else f"{r['kv']['max_concurrency']:g}x")))
+    rows.append(("KV cache tokens", each(lambda r: kv_reading(r.get("kv"), "kv_cache_tokens", "-"))))
+    rows.append(("max concurrency", each(lambda r: kv_reading(r.get("kv"), "max_concurrency", "-"))))
     levels = [{lv["concurrency"]: lv for lv in r["levels"]} for r in runs]
     for c in sorted({c for lv in levels for c in lv}):
         got = [lv.get(c) for lv in levels]

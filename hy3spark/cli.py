@@ -202,7 +202,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                               "(serving.api_key_env) and never reaches a command line. Each line also keeps the "
                               "split (TP x PP, launcher), the last up's KV lines and every GPU's PCIe link "
                               "generation and width read on the nodes while the load runs (the current values "
-                              "drop at idle). `hy3spark labbook --compare A B` shows runs side by side.")
+                              "drop at idle). The line names the engine and its version (the endpoint's /version, "
+                              "else the last up's record, else unknown). `hy3spark labbook --compare A B` shows runs "
+                              "side by side.")
     _spec_arg(p)
     p.add_argument("--label", metavar="L", help="the run's name in the lab notebook (default: the cluster name)")
     p.add_argument("--target", metavar="URL",
@@ -234,11 +236,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _add_labbook(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("labbook", help="list the lab notebook's bench runs, or compare runs side by side",
-                       description="List the bench runs of the lab notebook (date, label, report). With --compare, "
-                                   "show two or more runs side by side: label, split (TP x PP, launcher), each GPU's "
-                                   "PCIe link generation and width (under load, or where they were read), the KV "
-                                   "cache tokens and maximum concurrency, and per concurrency level output tokens/s, "
-                                   "requests/s, TTFT and TPOT at p50 / p99.",
+                       description="List the bench runs of the lab notebook (date, label, engine and version, "
+                                   "report). With --compare, show two or more runs side by side, a vLLM run beside a "
+                                   "TensorRT-LLM run of one cluster as well: label, engine and version, model, split "
+                                   "(TP x PP, launcher), each GPU's PCIe link generation and width (under load, or "
+                                   "where they were read), the KV cache tokens and maximum concurrency, and per "
+                                   "concurrency level output tokens/s, requests/s, TTFT and TPOT at p50 / p99.",
                        epilog="A label names its newest run; a report directory's name (the notebook's last "
                               "column) names one run. Example: hy3spark labbook --compare two-card-tp two-card-pp")
     p.add_argument("--compare", nargs="+", metavar="LABEL", help="two or more labels (or report directory names)")
@@ -538,7 +541,7 @@ def cmd_labbook(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(lines, indent=2))
         for line in [] if args.json else lines:
-            print(f"{line['date']}  {line['label']}  ({line['run']})")
+            print(f"{line['date']}  {line['label']}  {line['engine']}  ({line['run']})")
         return EXIT_OK
     if len(args.compare) < 2:
         raise Hy3SparkError("--compare needs two or more labels")

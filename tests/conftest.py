@@ -34,7 +34,8 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
 # at once on its own worker and the quick files fill the other workers meanwhile, instead of one of them starting
 # last and running alone at the end. Without xdist the order changes nothing a test may depend on (each file keeps
 # its own order).
-SLOW_FIRST = ("test_operator_cli.py", "test_bench.py", "test_engine_double.py", "test_trtllm_double.py")
+SLOW_FIRST = ("test_operator_cli.py", "test_bench.py", "test_engine_double.py", "test_trtllm_double.py",
+              "test_bench_trtllm.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hy3spark import bench
+from hy3spark.engines import vllm as vllm_engine
 from hy3spark.errors import Hy3SparkError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,12 +105,13 @@ def test_labbook_line_is_one_table_row() -> None:
         link={"source": "nodes under load", "under_load": True,
               "nodes": {"desk": READ_UNDER_LOAD, "spark-b": {"status": "skipped", "reason": "nvidia-smi not found",
                                                              "gpus": [], "topo": None}}},
-        kv={"source": "run record x.json", "lines": [], "kv_cache_tokens": 123456, "max_concurrency": 4.56},
+        kv={"source": "run record x.json", "lines": [], "engine": "vllm", "kv_cache_tokens": 123456,
+            "max_concurrency": 4.56, "not_logged": []},
     )
     line = bench.labbook_line(result)
     assert line.endswith("|\n") and line.count("\n") == 1
     assert line.count("|") == 10  # nine cells: the label's own "|" is escaped
-    assert "bench tp2 / mtp | vllm ? | guidellm 0.8.1: 5 req/level, max_tokens 64, synthetic 128 tokens" in line
+    assert "bench tp2 / mtp | vllm unknown | guidellm 0.8.1: 5 req/level, max_tokens 64, synthetic 128 tokens" in line
     assert ("| TP2 x PP1, native, 1 node | link nodes under load: desk GPU0 gen4 x16 of gen4 x16, desk GPU1 gen4 x8 "
             "of gen4 x16, desk GPU0-GPU1 PHB, spark-b skipped (nvidia-smi not found) "
             "| KV cache 123,456 tokens, max concurrency 4.56x |") in line
@@ -158,6 +160,9 @@ def test_link_sampler_keeps_the_last_reading_taken_during_the_load() -> None:
     assert sampler.stop() is None and sampler.error == "playbooks/preflight.yml failed (rc 4, status failed) after 3 s"
 
 
+VLLM_LOG_LINES = {"kv_cache": vllm_engine.KV_CACHE_LINE, "concurrency": vllm_engine.CONCURRENCY_LINE}
+
+
 def test_kv_and_idle_links_come_from_the_last_run_record(tmp_path: Path) -> None:
     path = tmp_path / "20260102T030405Z-bench-test.json"
     data = {"kv_lines": ["(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1087] GPU KV cache size: "
@@ -165,11 +170,12 @@ def test_kv_and_idle_links_come_from_the_last_run_record(tmp_path: Path) -> None
                          "(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1091] Maximum concurrency "
                          "for 100,003 tokens per request: 12.35x"],
             "gpu_link": {"desk": READ_IDLE}}
-    kv = bench.kv_of((path, data))
+    kv = bench.kv_of((path, data), "vllm", VLLM_LOG_LINES)
     assert kv == {"source": f"run record {path.name}", "lines": [
         "GPU KV cache size: 1,234,560 tokens", "Maximum concurrency for 100,003 tokens per request: 12.35x"],
-        "kv_cache_tokens": 1234560, "max_concurrency": 12.35}
-    assert bench.kv_of(None) is None
+        "engine": "vllm", "kv_cache_tokens": 1234560, "max_concurrency": 12.35, "not_logged": []}
+    assert bench.kv_text(kv) == "KV cache 1,234,560 tokens, max concurrency 12.35x"
+    assert bench.kv_of(None, "vllm", VLLM_LOG_LINES) is None
     link = bench.link_from_record((path, data), "--link record")
     assert link["source"] == f"run record {path.name} (idle)" and not link["under_load"]
     assert bench.link_rows(link)["desk GPU1"] == "gen1 x8 of gen4 x16"
@@ -295,7 +301,8 @@ def test_bench_measures_the_double_and_appends_one_labbook_line(
     assert not seen, "the API key appeared on a command line"
 
     result = json.loads(proc.stdout)
-    assert result["endpoint"] == {"target": endpoint, "model": "tiny", "engine": "vllm", "version": "0.23.0+testdouble"}
+    assert result["endpoint"] == {"target": endpoint, "model": "tiny", "engine": "vllm", "version": "0.23.0+testdouble",
+                                  "version_from": "endpoint /version"}
     assert result["tool"].startswith("guidellm 0.8.")
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 2]
     for lv in result["levels"]:
@@ -358,9 +365,21 @@ esac
 """
 
 
-def _up_record(spec: Path, runs: Path, started: str, kv_tokens: str, concurrency: str) -> Path:
-    """What `hy3spark up` leaves for this split, written by the real record writer: the KV lines the engine logged
-    and the idle link readings its preflight reported (both hand-made, in the engine's and the role's formats)."""
+def compare_cells(table: str) -> tuple[list[str], dict[str, list[str]]]:
+    """`hy3spark labbook --compare`'s table read by its columns, as the dashes under the header mark them: the runs'
+    labels, and each row's cells by the row's name."""
+    out = table.splitlines()
+    spans, at = [], 0
+    for dashes in out[1].split("  "):
+        spans.append((at, at + len(dashes)))
+        at += len(dashes) + 2
+    cells = {line[:spans[0][1]].strip(): [line[a:b].strip() for a, b in spans[1:]] for line in out[2:]}
+    return [out[0][a:b].strip() for a, b in spans[1:]], cells
+
+
+def up_record(spec: Path, runs: Path, started: str, kv_lines: list[str]) -> Path:
+    """What `hy3spark up` leaves, written by the real record writer: the KV lines the engine logged (as status
+    collects them) and the idle link readings bench-head's preflight reported (hand-made, in the role's format)."""
     from hy3spark import records
     from hy3spark.runner import RunResult
     from hy3spark.spec import load_spec
@@ -368,11 +387,16 @@ def _up_record(spec: Path, runs: Path, started: str, kv_tokens: str, concurrency
     loaded = load_spec(spec)
     result = RunResult("site.yml", "successful", 0, runs, [], {}, {}, 1.0,
                        {"bench-head": {"hy3spark_report_gpu_link": READ_IDLE}})
-    summary = {"nodes": {}, "kv_lines": [
+    summary = {"nodes": {}, "kv_lines": kv_lines}
+    return records.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+
+
+def _up_record(spec: Path, runs: Path, started: str, kv_tokens: str, concurrency: str) -> Path:
+    """`up`'s record of this split, with the KV lines vLLM logs (hand-made, in its format)."""
+    return up_record(spec, runs, started, [
         f"(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1087] GPU KV cache size: {kv_tokens} tokens",
         f"(EngineCore_DP0 pid=72) INFO 01-02 03:04:05 [kv_cache_utils.py:1091] Maximum concurrency for 100,003 "
-        f"tokens per request: {concurrency}x"]}
-    return records.write_record(loaded, runs, result, summary, started, runs / "labbook.md")
+        f"tokens per request: {concurrency}x"])
 
 
 def test_bench_tp_and_pp_side_by_side_with_the_links_read_under_load(
@@ -417,14 +441,8 @@ def test_bench_tp_and_pp_side_by_side_with_the_links_read_under_load(
     proc = _hy3spark("labbook", "--compare", "two-card-tp", "two-card-pp", "pp-idle-link", "--runs-dir", str(runs))
     assert proc.returncode == 0, proc.stderr
     print(proc.stdout)
-    out = proc.stdout.splitlines()
-    # Columns as the dashes under the header mark them: the row's name, then one cell per run.
-    spans, at = [], 0
-    for dashes in out[1].split("  "):
-        spans.append((at, at + len(dashes)))
-        at += len(dashes) + 2
-    cells = {line[:spans[0][1]].strip(): [line[a:b].strip() for a, b in spans[1:]] for line in out[2:]}
-    assert [out[0][a:b].strip() for a, b in spans] == ["", "two-card-tp", "two-card-pp", "pp-idle-link"]
+    header, cells = compare_cells(proc.stdout)
+    assert header == ["two-card-tp", "two-card-pp", "pp-idle-link"]
     assert [c.strip() for c in cells["split"]] == ["TP2 x PP1, ray, 1 node", "TP1 x PP2, ray, 1 node",
                                                    "TP1 x PP2, ray, 1 node"]
     assert [c.strip() for c in cells["link read"]] == [
