@@ -33,8 +33,15 @@ ENGINE_OPTIONS = f"{CONFIG_DIR}/engine-options.yml"
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
 MPI_CONTAINER_HOSTFILE = "/etc/openmpi-hostfile"
-MPI_SSHD_CONFIG = f"{CONFIG_DIR}/mpi/sshd_config"
-MPI_SSH_CONFIG = f"{CONFIG_DIR}/mpi/ssh_config"
+MPI_DIR = f"{CONFIG_DIR}/mpi"
+MPI_SSHD_CONFIG = f"{MPI_DIR}/sshd_config"
+MPI_SSH_CONFIG = f"{MPI_DIR}/ssh_config"
+# Made on the nodes by the mpi_node role, never rendered (no key leaves the node it was made on): each node's own
+# host key, the head's client key (mpirun's), the head's pinned host keys of every node, every node's authorized key.
+MPI_HOST_KEY = f"{MPI_DIR}/ssh_host_ed25519_key"
+MPI_CLIENT_KEY = f"{MPI_DIR}/id_ed25519"
+MPI_KNOWN_HOSTS = f"{MPI_DIR}/known_hosts"
+MPI_AUTHORIZED_KEYS = f"{MPI_DIR}/authorized_keys"
 
 
 # The context's shape. Every key a template, role or playbook reads (`hy3spark.x.y`, `hy3spark_node.x`) is declared
@@ -114,8 +121,13 @@ class Mpi(TypedDict):
     hosts: list[str]  # the hostfile's addresses, in node order: fabric addresses only
     hostfile: str  # on the node
     container_hostfile: str  # where the container has it (OMPI_MCA_orte_default_hostfile)
+    dir: str  # the launcher's SSH files on the node (0700), mounted into the container with /etc/hy3spark
     sshd_config: str
-    ssh_config: str
+    ssh_config: str  # mpirun's, on the head
+    host_key: str
+    client_key: str  # on the head only
+    known_hosts: str  # on the head only
+    authorized_keys: str
 
 
 class Ray(TypedDict):
@@ -536,8 +548,13 @@ def _mpi(spec: Spec) -> Mpi | None:
         "hosts": mpi_hosts(spec),
         "hostfile": MPI_HOSTFILE,
         "container_hostfile": MPI_CONTAINER_HOSTFILE,
+        "dir": MPI_DIR,
         "sshd_config": MPI_SSHD_CONFIG,
         "ssh_config": MPI_SSH_CONFIG,
+        "host_key": MPI_HOST_KEY,
+        "client_key": MPI_CLIENT_KEY,
+        "known_hosts": MPI_KNOWN_HOSTS,
+        "authorized_keys": MPI_AUTHORIZED_KEYS,
     }
 
 

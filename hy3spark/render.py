@@ -132,6 +132,12 @@ def render_all(loaded: Loaded) -> list[Output]:
         if group["mpi"] is not None:  # every node's container mounts it (OMPI_MCA_orte_default_hostfile)
             outputs.append(Output(f"{root}{group['mpi']['hostfile']}", "serve",
                                   tpl("openmpi-hostfile.j2", hy3spark_node=node)))
+            # Its sshd's config; mpirun's ssh config on the head (the keys they name are made on the nodes).
+            outputs.append(Output(f"{root}{group['mpi']['sshd_config']}", "serve",
+                                  tpl("mpi-sshd_config.j2", hy3spark_node=node)))
+            if node["role"] == "head":
+                outputs.append(Output(f"{root}{group['mpi']['ssh_config']}", "serve",
+                                      tpl("mpi-ssh_config.j2", hy3spark_node=node)))
     outputs.append(Output("files/pi/models.json", "pi", tpl("pi-models.json.j2")))
     outputs.append(Output("files/pi/settings.json", "pi", tpl("pi-settings.json.j2")))
     return outputs

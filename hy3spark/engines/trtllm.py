@@ -126,13 +126,16 @@ class TrtllmEngine:
     def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]:
         """The shared fabric settings (NCCL_SOCKET_IFNAME, UCX_NET_DEVICES, OMPI_MCA_btl_tcp_if_include: the fabric
         netdev) and Open MPI's own: the hostfile where the container has it, one rank per node, and mpirun as root
-        (the release image runs as root)."""
+        (the release image runs as root), its daemons started from the head alone."""
         from hy3spark.context import MPI_CONTAINER_HOSTFILE  # the context imports the engines
 
         env = {k: v for k, v in common.items() if not k.startswith("RAY_")}  # no Ray runs under mpi
         env.update({
             "OMPI_MCA_orte_default_hostfile": MPI_CONTAINER_HOSTFILE,
             "OMPI_MCA_rmaps_ppr_n_pernode": "1",
+            # mpirun on the head starts every node's daemon itself: only the head holds the cluster's client key
+            # (roles/mpi_node), so no daemon may start another's (Open MPI's tree spawn would, past two nodes).
+            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
             "OMPI_ALLOW_RUN_AS_ROOT": "1",
             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         })
