@@ -19,7 +19,7 @@ import testinfra
 REPO = Path(__file__).resolve().parent.parent
 # Molecule's inventory of the scenario being verified (its directory holds hosts, group_vars and host_vars links).
 INVENTORY = os.environ.get("MOLECULE_INVENTORY_FILE", "")
-API_PORT = 8888  # serving.port of every scenario spec that serves
+API_PORT = 8888  # serving.port of every scenario spec that serves vLLM (TensorRT-LLM's profile: 8355)
 
 # Run inside a Ray container: the live nodes and their GPUs as [[address, gpus], ...] on the last line.
 RAY_NODES = (
@@ -51,10 +51,10 @@ def ansible_node(name: str) -> testinfra.host.Host:
     return testinfra.get_host(f"ansible://{name}?ansible_inventory={INVENTORY}")
 
 
-def api(host: str, path: str, body: dict | None = None, key: str = "") -> tuple[int, dict]:
+def api(host: str, path: str, body: dict | None = None, key: str = "", port: int = API_PORT) -> tuple[int, dict]:
     """Call the endpoint from `host` over its loopback, as the serving role's own readiness check does: (status,
     JSON body). `key` empty sends no Authorization header."""
-    out = node(host).run("python3 -c %s %s %s %s", _CALL, f"http://127.0.0.1:{API_PORT}{path}",
+    out = node(host).run("python3 -c %s %s %s %s", _CALL, f"http://127.0.0.1:{port}{path}",
                          json.dumps(body) if body else "", key)
     assert out.rc == 0, out.stderr
     status, _, text = out.stdout.partition("\n")
