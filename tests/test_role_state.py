@@ -226,10 +226,22 @@ def engine_runs(path: Path, host_vars: dict[str, Any]) -> bool:
     return parts[parts.index("engines") + 1] == host_vars["hy3spark"]["engine"]["name"]
 
 
+# A launcher's own role runs only under that launcher (playbooks/site.yml chooses its play by
+# hy3spark.engine.launcher); its targets may name what only that launcher has (hy3spark.mpi's paths).
+LAUNCHER_ROLES = {"mpi_node": "mpi"}
+
+
+def launcher_runs(role: str, host_vars: dict[str, Any]) -> bool:
+    return LAUNCHER_ROLES.get(role, host_vars["hy3spark"]["engine"]["launcher"]) == host_vars["hy3spark"]["engine"][
+        "launcher"]
+
+
 def targets(example: Path) -> Iterator[tuple[str, str, str, str, str]]:
     """(host, role, where, kind, target) for every task that manages something, on every node."""
     for host, hv in host_vars(example).items():
         for role in ROLES:
+            if not launcher_runs(role, hv):
+                continue
             variables_of_role = [load(role, "vars"), hv, RUNTIME, load(role, "defaults")]
             for path, task, scope in role_tasks(role):
                 module = module_of(task)
