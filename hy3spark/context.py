@@ -14,7 +14,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 from hy3spark import __version__
-from hy3spark.engines import SECRET_NAMES, Engine, engine_for, engine_options
+from hy3spark.engines import SECRET_NAMES, Engine, engine_for, engine_front, engine_options
 from hy3spark.spec import Loaded, Node, Spec, mpi_hosts
 
 MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
@@ -29,6 +29,9 @@ VLLM_CONFIG_ROOT = f"{CONFIG_DIR}/vllm"
 ENGINE_START = "hy3spark: starting "
 # The engine's own options file, for an engine that reads one (TensorRT-LLM's --extra_llm_api_options).
 ENGINE_OPTIONS = f"{CONFIG_DIR}/engine-options.yml"
+# hy3spark's API front, for an engine that checks no API key itself (TensorRT-LLM's serving role copies it to the
+# head; the container sees it through the /etc/hy3spark mount).
+API_FRONT = f"{CONFIG_DIR}/api-front.py"
 # The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
@@ -57,6 +60,7 @@ class Paths(TypedDict):
     serve_log: str
     vllm_config_root: str
     engine_options: str
+    api_front: str
 
 
 class Fabric(TypedDict):
@@ -84,6 +88,13 @@ class Model(TypedDict):
     token_env: str | None
 
 
+class Front(TypedDict):
+    """`hy3spark.serving.front`: hy3spark's API front before an engine that checks no key (None otherwise)."""
+    argv: list[str]  # started in the background on the head before the engine
+    key_env: str  # where it reads the key; the serve script unsets it before the engine starts
+    engine_port: int  # the engine's own port on 127.0.0.1 behind it
+
+
 class Serving(TypedDict):
     engine: str
     served_name: str
@@ -104,6 +115,9 @@ class Serving(TypedDict):
     verify_transport: bool
     health_timeout_s: int
     argv: list[str]
+    # The API front answers on host:port (so base_url and probe_url reach it, and readiness covers it), the engine
+    # behind it on loopback.
+    front: Front | None
     non_carry_over_env: list[str]
 
 
@@ -468,6 +482,7 @@ def build_context(loaded: Loaded) -> Context:
             "serve_log": SERVE_LOG,
             "vllm_config_root": VLLM_CONFIG_ROOT,
             "engine_options": ENGINE_OPTIONS,
+            "api_front": API_FRONT,
         },
         "head": spec.head.name,
         "workers": [w.name for w in spec.workers],
@@ -504,6 +519,7 @@ def build_context(loaded: Loaded) -> Context:
             "verify_transport": spec.verify_transport,
             "health_timeout_s": spec.serving.health_timeout_s,
             "argv": serve_argv,
+            "front": engine_front(engine),
             # Workers keep their own NCCL/UCX/GLOO settings: vLLM's Ray executor would copy the head's otherwise.
             # The secrets the serve script exports stay on the head too: vLLM copies VLLM_* and HF_TOKEN into the
             # workers' Ray runtime env, which Ray keeps in its GCS and shows in its dashboard.

@@ -288,6 +288,11 @@ class TrtllmServing(ServingBase):
                                    "one rank per node over the hostfile of fabric addresses")
     mpi_port: Annotated[int, Field(ge=1, le=65535)] = Field(
         default=DEFAULT_MPI_PORT, description="the port of the sshd in every node's container that mpirun reaches")
+    # trtllm-serve checks no API key (NVIDIA/TensorRT-LLM#9950): with serving.api_key_env set, hy3spark's API front
+    # answers on serving.port and checks the key, and trtllm-serve listens on 127.0.0.1 on this port behind it.
+    engine_port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(
+        default=None, description="with serving.api_key_env: trtllm-serve's own port on 127.0.0.1, behind the API "
+                                  "front on serving.port (default serving.port + 1)")
     backend: Literal["pytorch"] = "pytorch"
     max_num_tokens: Annotated[int, Field(ge=16, le=_COUNT)] = Field(
         default=8192, description="batched input tokens per scheduler step (--max_num_tokens)")
@@ -599,18 +604,9 @@ def _check_serving(spec: Spec) -> list[Problem]:
                                               f"{spec.ray.dashboard}; pick another serving.port"))
     if len(reserved) != 3 and s.launcher == "ray":
         problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
-    if isinstance(s, TrtllmServing):
-        if s.api_key_env is not None:
-            problems.append((("serving", "api_key_env"), f"trtllm-serve checks no API key ({TRTLLM_NO_KEY}): a key "
-                                                         "set here would protect nothing; remove it, and bind "
-                                                         "serving.host to 127.0.0.1 or set serving.open_endpoint: "
-                                                         "true"))
-        elif not s.host.is_loopback and not s.open_endpoint:
-            problems.append((("serving", "host"), f"{s.host} serves trtllm-serve's API to anyone who reaches it, and "
-                                                  f"trtllm-serve checks no API key ({TRTLLM_NO_KEY}); bind "
-                                                  "serving.host to 127.0.0.1, or set serving.open_endpoint: true to "
-                                                  "serve without a key on purpose"))
-    elif s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
+    # Every engine's endpoint checks the key when api_key_env is set: vLLM itself (--api-key), trtllm-serve through
+    # hy3spark's API front (engine_port).
+    if s.api_key_env is None and not s.host.is_loopback and not s.open_endpoint:
         problems.append((("serving", "api_key_env"),
                          f"the endpoint listens on {s.host}:{s.port} with no API key; set serving.api_key_env to the "
                          "name of an environment variable holding the key, bind serving.host to 127.0.0.1, or set "
@@ -664,7 +660,8 @@ OWNED_ENV_SUFFIXES = ("_SOCKET_IFNAME",)
 # Set when the transport gate is on: it reads NCCL's INFO lines from the serve log.
 TRANSPORT_ENV = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "RAY_DEDUP_LOGS"}
 SSH_PORT = 22
-# trtllm-serve has no --api_key (an open feature request upstream); no key it could check is ever rendered.
+# trtllm-serve has no --api_key (an open feature request upstream): with serving.api_key_env set, hy3spark's API front
+# checks the key in front of it (engine_port).
 TRTLLM_NO_KEY = "NVIDIA/TensorRT-LLM#9950"
 RAY_CLIENT_PORT = 10001
 RAY_DASHBOARD_PORT = 8265
@@ -730,6 +727,15 @@ def master_port(spec: Spec) -> int | None:
     return s.master_port or DEFAULT_MASTER_PORT
 
 
+def engine_port(spec: Spec) -> int | None:
+    """trtllm-serve's own port on 127.0.0.1 when hy3spark's API front answers on serving.port and checks the key
+    (serving.api_key_env set; trtllm-serve checks none itself); None when the engine answers on serving.port."""
+    s = spec.serving
+    if not isinstance(s, TrtllmServing) or s.api_key_env is None:
+        return None
+    return s.engine_port or s.port + 1
+
+
 def mpi_hosts(spec: Spec) -> list[str]:
     """The Open MPI hostfile's addresses, in node order: each node's fabric address, never its management address or
     ssh_host (the ranks' traffic belongs on the cabled port). One node without a fabric is `localhost`: mpirun
@@ -751,6 +757,7 @@ def _check_mpi(spec: Spec) -> list[Problem]:
     elif s.mpi_port == s.port:
         problems.append((("serving", "mpi_port"), f"{s.mpi_port} collides with serving.port, where trtllm-serve's API "
                                                   "listens; pick another serving.mpi_port"))
+    problems += _check_engine_port(spec)
     for i, node in enumerate(spec.nodes):
         if node.gpus != 1:
             problems.append(((*_node_path(i), "gpus"), f"{node.gpus}: the mpi launcher starts one rank per node "
@@ -761,6 +768,35 @@ def _check_mpi(spec: Spec) -> list[Problem]:
                                                      f"reports the model as {spec.model.repo!r} (model.repo); remove "
                                                      "served_name (it defaults to model.repo)"))
     return problems
+
+
+def _check_engine_port(spec: Spec) -> list[Problem]:
+    """trtllm-serve's port behind the API front: on the head's loopback, in the host's network beside the front
+    (serving.port) and the container's sshd (mpi_port). No Ray runs under mpi (_check_mpi refuses a ray section), so
+    Ray's ports are free; the field's lower bound keeps it off SSH's port."""
+    s = spec.serving
+    assert isinstance(s, TrtllmServing)
+    if s.api_key_env is None:
+        if s.engine_port is None:
+            return []
+        return [(("serving", "engine_port"), "only the API front, which runs when serving.api_key_env is set, moves "
+                                             "trtllm-serve to another port; remove engine_port (without a key "
+                                             "trtllm-serve listens on serving.port itself)")]
+    port = engine_port(spec)
+    assert port is not None
+    if s.engine_port is None:  # the default, serving.port + 1: the user wrote serving.port
+        taken = "no port" if port > 65535 else "serving.mpi_port" if port == s.mpi_port else None
+        if taken is None:
+            return []
+        return [(("serving", "port"), f"trtllm-serve listens behind the API front on serving.port + 1 by default, and "
+                                      f"{port} is {taken}; set serving.engine_port to a free port")]
+    if port == s.port:
+        return [(("serving", "engine_port"), f"{port} is serving.port, where the API front answers; pick another "
+                                             "serving.engine_port for trtllm-serve behind it")]
+    if port == s.mpi_port:
+        return [(("serving", "engine_port"), f"{port} is serving.mpi_port, where the mpi launcher's sshd listens; "
+                                             "pick another serving.engine_port")]
+    return []
 
 
 def _check_launcher(spec: Spec) -> list[Problem]:

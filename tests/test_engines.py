@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hy3spark.context import build_context
-from hy3spark.engines import ENGINES, engine_for
+from hy3spark.engines import ENGINES, engine_for, engine_front
 from hy3spark.spec import SERVING_SECTIONS, load_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,11 +104,12 @@ def test_trtllm_launches_through_mpirun_on_the_head_only() -> None:
     assert argv[launch:] == [
         "trtllm-llmapi-launch", "trtllm-serve", "nvidia/Qwen3-235B-A22B-FP4", "--revision", "main", "--tp_size", "2",
         "--backend", "pytorch", "--max_num_tokens", "32768", "--max_batch_size", "4", "--max_seq_len", "32768",
-        "--extra_llm_api_options", "/etc/hy3spark/engine-options.yml", "--port", "8355", "--host", "0.0.0.0"]
-    # -x NAME: names only, the secrets' last (their values come from the serve script's 0600 file).
+        "--extra_llm_api_options", "/etc/hy3spark/engine-options.yml", "--port", "8356", "--host", "127.0.0.1"]
+    # -x NAME: names only, the secrets' last (their values come from the serve script's 0600 file); the API front's
+    # key is no rank's.
     passed = [argv[i + 1] for i in range(4, launch, 2)]
     assert argv[4:launch:2] == ["-x"] * len(passed) and passed[-1] == "HF_TOKEN"
-    assert not [n for n in passed if "=" in n or n.startswith("OMPI_")]
+    assert not [n for n in passed if "=" in n or n.startswith("OMPI_")] and "HY3SPARK_API_KEY" not in passed
 
 
 def test_trtllm_node_env_is_open_mpis_and_the_fabrics() -> None:
@@ -124,11 +125,23 @@ def test_trtllm_node_env_is_open_mpis_and_the_fabrics() -> None:
         assert not [k for k in env if k.startswith(("VLLM_", "RAY_"))] and "HF_TOKEN" not in env
 
 
-def test_trtllm_reads_the_hub_token_only_and_no_api_key() -> None:
+def test_trtllm_reads_the_hub_token_and_its_api_front_the_key() -> None:
+    """trtllm-serve checks no key (NVIDIA/TensorRT-LLM#9950): the API front reads it, from HY3SPARK_API_KEY in the
+    secrets file, answers on serving.port and forwards to trtllm-serve on 127.0.0.1:serving.port + 1."""
     spec = load_spec(TRTLLM_EXAMPLE).spec
-    assert engine_for(spec).secret_env() == {"HF_TOKEN": "HF_TOKEN"}
-    public = spec.model_copy(update={"model": spec.model.model_copy(update={"token_env": None})})
-    assert engine_for(public).secret_env() == {} and "HF_TOKEN" not in engine_for(public).serve_argv()
+    engine = engine_for(spec)
+    assert engine.secret_env() == {"HY3SPARK_API_KEY": "HY3SPARK_API_KEY", "HF_TOKEN": "HF_TOKEN"}
+    assert engine_front(engine) == {
+        "argv": ["python3", "/etc/hy3spark/api-front.py", "--listen", "0.0.0.0:8355", "--upstream", "127.0.0.1:8356",
+                 "--key-env", "HY3SPARK_API_KEY"],
+        "key_env": "HY3SPARK_API_KEY", "engine_port": 8356}
+    serving = spec.serving.model_copy(update={"api_key_env": None, "open_endpoint": True})
+    public = spec.model_copy(update={"model": spec.model.model_copy(update={"token_env": None}), "serving": serving})
+    open_engine = engine_for(public)
+    assert open_engine.secret_env() == {} and engine_front(open_engine) is None
+    argv = open_engine.serve_argv()
+    assert "HF_TOKEN" not in argv and argv[-4:] == ["--port", "8355", "--host", "0.0.0.0"]
+    assert engine_front(engine_for(load_spec(None).spec)) is None  # vLLM checks its key itself
 
 
 def test_trtllm_publishes_its_options_and_the_mpi_launcher_its_hosts() -> None:

@@ -135,6 +135,9 @@ def _variations() -> dict[str, str]:
         "trtllm-loopback-no-token-port": vary(trtllm, serving={"host": "127.0.0.1", "open_endpoint": False,
                                                                "mpi_port": 2299, "port": 9000},
                                               model={"token_env": None}),
+        # The API front answers on 8355 with a key, trtllm-serve behind it on a port of the spec's choosing.
+        "trtllm-engine-port": vary(trtllm, serving={"engine_port": 18355}),
+        "trtllm-open-no-key": vary(trtllm, serving={"api_key_env": None, "open_endpoint": True}),
         # One node under mpi, no fabric: the hostfile lists localhost (mpirun starts the rank itself).
         "trtllm-single-no-fabric": vary({**{k: v for k, v in trtllm.items() if k not in ("workers", "fabric")},
                                          "head": {"name": "solo", "mgmt_ip": "192.168.1.10"}},
@@ -697,8 +700,18 @@ def check_mpirun_launch(ex: Expect, r: Rendered) -> None:
     assert flag_values(engine, "--revision") == [str(ex.spec["model"]["revision"])]
     assert flag_values(engine, "--max_batch_size") == [str(serving["max_num_seqs"])]
     assert flag_values(engine, "--max_seq_len") == [str(serving["max_model_len"])]
-    assert flag_values(engine, "--port") == [str(serving["port"])]
-    assert flag_values(engine, "--host") == [serving.get("host", DEFAULT_HOST)], "trtllm-serve's default is localhost"
+    script = r.files[f"files/{ex.head.name}/etc/hy3spark/serve.sh"]
+    if ex.api_key_env:  # trtllm-serve checks no key: the API front answers on the port, trtllm-serve behind it
+        behind = serving.get("engine_port", serving["port"] + 1)
+        assert flag_values(engine, "--port") == [str(behind)] and flag_values(engine, "--host") == ["127.0.0.1"]
+        front = (f"python3 /etc/hy3spark/api-front.py --listen {serving.get('host', DEFAULT_HOST)}:{serving['port']} "
+                 f"--upstream 127.0.0.1:{behind} --key-env HY3SPARK_API_KEY &\nunset HY3SPARK_API_KEY\nexec mpirun ")
+        assert front in script, "the front starts before mpirun, and mpirun (so every rank) starts without the key"
+        assert "HY3SPARK_API_KEY" not in flag_values(argv[:launch], "-x")
+    else:
+        assert flag_values(engine, "--port") == [str(serving["port"])]
+        assert flag_values(engine, "--host") == [serving.get("host", DEFAULT_HOST)], "trtllm-serve's default: localhost"
+        assert "api-front" not in script
     assert flag_values(argv[:launch], "plm_rsh_args") == [f"-p {serving.get('mpi_port', 2233)} "
                                                           "-F /etc/hy3spark/mpi/ssh_config"]
     options = flag_values(engine, "--extra_llm_api_options")
@@ -713,7 +726,6 @@ def check_mpirun_launch(ex: Expect, r: Rendered) -> None:
         hostfile = r.files[f"files/{node.name}/etc/hy3spark/openmpi-hostfile"]
         hosts = [line for line in hostfile.splitlines() if line and not line.startswith("#")]
         assert hosts == [f"{n.ip or 'localhost'} slots=1" for n in ex.nodes], "fabric addresses, one slot each"
-    script = r.files[f"files/{ex.head.name}/etc/hy3spark/serve.sh"]
     sourced = script.index(". /etc/hy3spark/secrets.env")
     assert script.index("set -a") < sourced < script.index("exec mpirun"), "secrets reach mpirun from the file"
 

@@ -327,11 +327,14 @@ CASES = [
         set_(("serving", "port"), 8265)(t) or t)), "serving.port"),
     refuse("open-endpoint-no-key", "policy", under("vllm", lambda t: set_(("serving", "host"), "0.0.0.0")(
         set_(("serving", "api_key_env"), None)(t) or t)), "serving.api_key_env"),
-    # trtllm-serve checks no key: every address without open_endpoint is refused at serving.host, and a key at all.
-    refuse("trtllm-open-without-saying-so", "policy", under("trtllm", set_(("serving", "open_endpoint"), False)),
-           "serving.host"),
-    refuse("trtllm-api-key", "policy", under("trtllm", set_(("serving", "api_key_env"), "VLLM_API_KEY")),
+    # trtllm-serve checks no key: hy3spark's API front checks it, and trtllm-serve listens behind it on engine_port.
+    # Without a key every address is refused as vLLM's is, unless open_endpoint says so.
+    refuse("trtllm-open-without-saying-so", "policy", under("trtllm", set_(("serving", "api_key_env"), None)),
            "serving.api_key_env"),
+    refuse("trtllm-engine-port-mpi", "policy", under("trtllm", set_(("serving", "engine_port"), 2233)),
+           "serving.engine_port"),
+    refuse("trtllm-engine-port-api", "policy", under("trtllm", set_(("serving", "engine_port"), 8355)),
+           "serving.engine_port"),
     refuse("trtllm-mpi-port-ssh", "policy", under("trtllm", set_(("serving", "mpi_port"), 22)), "serving.mpi_port"),
     refuse("trtllm-vllm-field", "policy", under("trtllm", set_(("serving", "kv_cache_dtype"), "fp8")),
            "serving.kv_cache_dtype"),

@@ -26,6 +26,7 @@ from hy3spark.spec import (
     TrtllmServing,
     VllmServing,
     deep_merge,
+    engine_port,
     format_path,
     load_spec,
     mpi_hosts,
@@ -1008,18 +1009,47 @@ def test_under_mpi_rays_ports_are_free_and_a_ray_section_is_refused() -> None:
                                   "effect under serving.launcher: mpi; remove it")
 
 
-def test_trtllm_checks_no_api_key_so_none_is_taken_and_the_open_endpoint_is_said_out_loud() -> None:
-    text = trtllm_text({"api_key_env": "VLLM_API_KEY"})
-    assert only_problem(text) == (
-        f"{at(text, 'api_key_env')} serving.api_key_env: trtllm-serve checks no API key (NVIDIA/TensorRT-LLM#9950): "
-        "a key set here would protect nothing; remove it, and bind serving.host to 127.0.0.1 or set "
-        "serving.open_endpoint: true")
+def test_trtllm_takes_an_api_key_through_the_api_front_and_the_open_endpoint_is_said_out_loud() -> None:
+    """trtllm-serve checks no key (NVIDIA/TensorRT-LLM#9950): with api_key_env set, hy3spark's API front answers on
+    serving.port and trtllm-serve listens behind it on serving.port + 1; without a key the rule is vLLM's."""
+    spec = parse_spec(trtllm_text({"host": "0.0.0.0", "api_key_env": "HY3SPARK_API_KEY"}), "c").spec
+    assert spec.serving.api_key_env == "HY3SPARK_API_KEY" and engine_port(spec) == 8356
+    assert engine_port(parse_spec(trtllm_text(), "c").spec) is None  # no key: trtllm-serve on serving.port itself
+    assert engine_port(parse_spec(spec_text(), "c").spec) is None  # vLLM checks its key itself
     text = trtllm_text({"host": "0.0.0.0"})
     assert only_problem(text).endswith(
-        "serving.host: 0.0.0.0 serves trtllm-serve's API to anyone who reaches it, and trtllm-serve checks no API "
-        "key (NVIDIA/TensorRT-LLM#9950); bind serving.host to 127.0.0.1, or set serving.open_endpoint: true to "
-        "serve without a key on purpose")
+        "serving.api_key_env: the endpoint listens on 0.0.0.0:8355 with no API key; set serving.api_key_env to the "
+        "name of an environment variable holding the key, bind serving.host to 127.0.0.1, or set "
+        "serving.open_endpoint: true to serve without a key on purpose")
     assert len(parse_spec(trtllm_text({"host": "0.0.0.0", "open_endpoint": True}), "c").warnings) == 1
+
+
+def test_the_engine_port_behind_the_api_front() -> None:
+    keyed = {"api_key_env": "VLLM_API_KEY"}
+    assert engine_port(parse_spec(trtllm_text({**keyed, "engine_port": 9000}), "c").spec) == 9000
+    # Ray's ports are free under mpi (no Ray runs), as they are for serving.port.
+    assert engine_port(parse_spec(trtllm_text({**keyed, "engine_port": 6379}), "c").spec) == 6379
+    text = trtllm_text({"engine_port": 9000})
+    assert only_problem(text) == (
+        f"{at(text, 'engine_port')} serving.engine_port: only the API front, which runs when serving.api_key_env is "
+        "set, moves trtllm-serve to another port; remove engine_port (without a key trtllm-serve listens on "
+        "serving.port itself)")
+    text = trtllm_text({**keyed, "engine_port": 8355})
+    assert only_problem(text) == (f"{at(text, 'engine_port')} serving.engine_port: 8355 is serving.port, where the "
+                                  "API front answers; pick another serving.engine_port for trtllm-serve behind it")
+    text = trtllm_text({**keyed, "engine_port": 2233})
+    assert only_problem(text) == (f"{at(text, 'engine_port')} serving.engine_port: 2233 is serving.mpi_port, where "
+                                  "the mpi launcher's sshd listens; pick another serving.engine_port")
+    assert only_problem(trtllm_text({**keyed, "port": 2232})).endswith(
+        "serving.port: trtllm-serve listens behind the API front on serving.port + 1 by default, and 2233 is "
+        "serving.mpi_port; set serving.engine_port to a free port")
+    assert only_problem(trtllm_text({**keyed, "port": 65535})).endswith(
+        "serving.port: trtllm-serve listens behind the API front on serving.port + 1 by default, and 65536 is no "
+        "port; set serving.engine_port to a free port")
+    assert "serving.engine_port" in only_problem(trtllm_text({**keyed, "engine_port": 22}))  # the field's bound
+    assert only_problem(spec_text(serving={"engine_port": 9000})).endswith(
+        "serving.engine_port: a trtllm field; serving.engine is vllm, whose section has no engine_port "
+        "(docs/engines.md): remove it, or set serving.engine: trtllm")
 
 
 def test_trtllm_serves_under_the_repo_name_only() -> None:

@@ -9,6 +9,8 @@ An engine turns the spec's serving section (its own union member, spec.VllmServi
 - which of `serving.extra_args` its own parser would take as an option the spec leaves open (`check_extra_args`);
 - optionally, the content of its own options file (`options`: TensorRT-LLM's extra LLM API options), rendered to
   hy3spark.paths.engine_options; an engine without one has no such method.
+- optionally, hy3spark's API front before it (`front`: TensorRT-LLM's, which checks no API key itself), started by
+  the serve script; an engine that checks its key itself has no such method.
 build_context() publishes all of it as `hy3spark.engine` and `hy3spark.serving`, so roles and templates never
 assume which engine produced them. docs/engines.md is the checklist for adding one.
 """
@@ -59,3 +61,10 @@ def engine_options(engine: Engine) -> dict[str, Any] | None:
     """The engine's own options file, or None for an engine that reads none (an optional answer: vLLM has none)."""
     options = getattr(engine, "options", None)
     return options() if options is not None else None
+
+
+def engine_front(engine: Engine) -> dict[str, Any] | None:
+    """hy3spark's API front for the engine (argv, key_env, engine_port), or None: an engine that checks its key
+    itself has no `front` (an optional answer: vLLM has none), and TensorRT-LLM's is None without a key."""
+    front = getattr(engine, "front", None)
+    return front() if front is not None else None

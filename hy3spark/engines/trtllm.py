@@ -15,7 +15,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from hy3spark.spec import Node, Spec, TrtllmServing
+from hy3spark.spec import Node, Spec, TrtllmServing, engine_port
 
 TABLE = "trtllm_flags.json"
 # TensorRT-LLM's KV cache manager, once the cache is allocated (the number is the tokens it holds):
@@ -30,7 +30,7 @@ OWNED = {
     "model": "model.repo",
     "revision": "model.revision",
     "host": "serving.host",
-    "port": "serving.port",
+    "port": "serving.port (serving.engine_port behind the API front)",
     "backend": "serving.backend",
     "tensor_parallel_size": "serving.tensor_parallel",
     "pipeline_parallel_size": "serving.pipeline_parallel",
@@ -49,8 +49,9 @@ OTHER = {
     "metadata_server_config_file": "is for disaggregated serving, which hy3spark does not deploy",
     "disagg_cluster_uri": "is for disaggregated serving, which hy3spark does not deploy",
 }
-# trtllm-serve takes no secret as an option today (no --api_key; the hub token comes from HF_TOKEN in the
-# environment). An option named like one, in a table regenerated from a newer release, is refused all the same.
+# trtllm-serve takes no secret as an option today (no --api_key, so hy3spark's API front checks the key; the hub
+# token comes from HF_TOKEN in the environment). An option named like one, in a table regenerated from a newer
+# release, is refused all the same.
 _SECRET_DEST = re.compile(r"(?:^|_)(?:api_key|key|token|password|secret)(?:$|_)")
 
 
@@ -107,12 +108,20 @@ def check(args: list[str]) -> list[tuple[int, str]]:
     return problems
 
 
+# Where hy3spark's API front reads the key (serving.api_key_env's value) on the head: the secrets file carries it, the
+# serve script hands it to the front and unsets it before the engine starts. Not VLLM_API_KEY: no engine reads this
+# one (were a TensorRT-LLM release to read a VLLM_-like name, the key would not turn on a second check unseen), it
+# sits in the HY3SPARK_ names the spec already keeps for the operator's own secrets, and being in secret_names it
+# stays out of container.env, of the spec and of every rank.
+FRONT_KEY = "HY3SPARK_API_KEY"
+
+
 class TrtllmEngine:
     name = "trtllm"
     launchers = ("mpi",)
-    # trtllm-serve reads no API key (the spec refuses serving.api_key_env under this engine); huggingface_hub reads
-    # the token from HF_TOKEN.
-    secret_names = ("HF_TOKEN",)
+    # trtllm-serve reads no API key (NVIDIA/TensorRT-LLM#9950): hy3spark's API front checks it, from FRONT_KEY;
+    # huggingface_hub reads the token from HF_TOKEN.
+    secret_names = (FRONT_KEY, "HF_TOKEN")
 
     def __init__(self, spec: Spec) -> None:
         assert isinstance(spec.serving, TrtllmServing)
@@ -155,8 +164,22 @@ class TrtllmEngine:
 
     def secret_env(self) -> dict[str, str]:
         """Its secrets on the head -> the NAME of the controller's variable holding each; only the set ones."""
-        token = self.spec.model.token_env
-        return {"HF_TOKEN": token} if token else {}
+        wanted = {FRONT_KEY: self.serving.api_key_env, "HF_TOKEN": self.spec.model.token_env}
+        return {name: source for name, source in wanted.items() if source}
+
+    def front(self) -> dict[str, Any] | None:
+        """hy3spark's API front, when serving.api_key_env is set: the serve script starts `argv` in the background
+        before the launcher, with the key in `key_env` (from the secrets file), and unsets that before mpirun. The
+        front answers on serving.host:serving.port, trtllm-serve on 127.0.0.1:`engine_port`."""
+        from hy3spark.context import API_FRONT  # the context imports the engines
+
+        port = engine_port(self.spec)
+        if port is None:
+            return None
+        s = self.serving
+        return {"argv": ["python3", API_FRONT, "--listen", f"{s.host}:{s.port}", "--upstream", f"127.0.0.1:{port}",
+                         "--key-env", FRONT_KEY],
+                "key_env": FRONT_KEY, "engine_port": port}
 
     def options(self) -> dict[str, Any]:
         """The extra LLM API options file (--extra_llm_api_options): its keys override trtllm-serve's flags, so it
@@ -180,9 +203,10 @@ class TrtllmEngine:
         # -x passes a variable by NAME, its value taken from mpirun's own environment: the head container's env file
         # (every value there is the same on every node: the fabric netdev, the cache path) and the secrets the serve
         # script read from its 0600 file. A rank started over SSH would otherwise have neither. Open MPI's own
-        # OMPI_* settings configure mpirun and reach the ranks by themselves.
+        # OMPI_* settings configure mpirun and reach the ranks by themselves. The API front's key is no rank's: the
+        # serve script unsets it before mpirun.
         names = [k for k in node_env(self.spec, self, self.spec.head) if not k.startswith("OMPI_")]
-        for name in [*names, *self.secret_env()]:
+        for name in [*names, *(k for k in self.secret_env() if k != FRONT_KEY)]:
             argv += ["-x", name]
         return argv
 
@@ -191,6 +215,9 @@ class TrtllmEngine:
         from hy3spark.context import ENGINE_OPTIONS  # the context imports the engines
 
         s, m = self.serving, self.spec.model
+        # Behind the API front (serving.api_key_env set) trtllm-serve answers on loopback only, on its own port.
+        behind = engine_port(self.spec)
+        host, port = (str(s.host), s.port) if behind is None else ("127.0.0.1", behind)
         argv = ["trtllm-llmapi-launch", "trtllm-serve", m.repo, "--revision", m.revision,
                 "--tp_size", str(s.tensor_parallel)]
         if s.pipeline_parallel > 1:
@@ -199,5 +226,5 @@ class TrtllmEngine:
                  "--max_batch_size", str(s.max_num_seqs), "--max_seq_len", str(s.max_model_len),
                  "--extra_llm_api_options", ENGINE_OPTIONS,
                  # Always given: trtllm-serve's own default host is localhost.
-                 "--port", str(s.port), "--host", str(s.host)]
+                 "--port", str(port), "--host", host]
         return [*self._mpirun(), *argv, *s.extra_args]

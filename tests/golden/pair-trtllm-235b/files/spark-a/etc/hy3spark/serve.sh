@@ -17,5 +17,10 @@ if [ -n "${INVOCATION_ID:-}" ]; then
 else
   exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
 fi
-echo 'hy3spark: starting trtllm for pair-trtllm (spec 19c469e084b7)'
-exec mpirun --mca plm_rsh_args '-p 2233 -F /etc/hy3spark/mpi/ssh_config' -x MASTER_ADDR -x NCCL_SOCKET_IFNAME -x GLOO_SOCKET_IFNAME -x TP_SOCKET_IFNAME -x UCX_NET_DEVICES -x NCCL_IB_DISABLE -x HF_HUB_CACHE -x HF_HUB_OFFLINE -x HF_HUB_DISABLE_TELEMETRY -x NCCL_IB_HCA -x NCCL_DEBUG -x NCCL_DEBUG_SUBSYS -x HF_TOKEN trtllm-llmapi-launch trtllm-serve nvidia/Qwen3-235B-A22B-FP4 --revision main --tp_size 2 --backend pytorch --max_num_tokens 32768 --max_batch_size 4 --max_seq_len 32768 --extra_llm_api_options /etc/hy3spark/engine-options.yml --port 8355 --host 0.0.0.0
+echo 'hy3spark: starting trtllm for pair-trtllm (spec 09e5c8da98d4)'
+# The API front checks the key in front of an engine that checks none: it answers on the API port, the engine
+# behind it on loopback. It reads the key from this environment, exits when the engine's launcher (this process,
+# after exec) does, and the engine starts without the key.
+python3 /etc/hy3spark/api-front.py --listen 0.0.0.0:8355 --upstream 127.0.0.1:8356 --key-env HY3SPARK_API_KEY &
+unset HY3SPARK_API_KEY
+exec mpirun --mca plm_rsh_args '-p 2233 -F /etc/hy3spark/mpi/ssh_config' -x MASTER_ADDR -x NCCL_SOCKET_IFNAME -x GLOO_SOCKET_IFNAME -x TP_SOCKET_IFNAME -x UCX_NET_DEVICES -x NCCL_IB_DISABLE -x HF_HUB_CACHE -x HF_HUB_OFFLINE -x HF_HUB_DISABLE_TELEMETRY -x NCCL_IB_HCA -x NCCL_DEBUG -x NCCL_DEBUG_SUBSYS -x HF_TOKEN trtllm-llmapi-launch trtllm-serve nvidia/Qwen3-235B-A22B-FP4 --revision main --tp_size 2 --backend pytorch --max_num_tokens 32768 --max_batch_size 4 --max_seq_len 32768 --extra_llm_api_options /etc/hy3spark/engine-options.yml --port 8356 --host 127.0.0.1
