@@ -3,7 +3,8 @@
 For anyone who renders a spec and wants to know the files mean what they say (the render tests, the adversarial
 corpus of issue 14): every YAML file parses to one document with each key once, every JSON file parses with each
 key once, every shell script passes `bash -n`, and every env file (node.env, secrets.env, /etc/default/earlyoom) is
-blank lines, `#` comments and NAME=value lines only, and Open MPI's hostfile `HOST slots=N` lines. A file whose
+blank lines, `#` comments and NAME=value lines only, Open MPI's hostfile `HOST slots=N` lines, OpenSSH's client config
+what `ssh -G` reads, and its server config `Keyword value` lines. A file whose
 format is not known fails: a new kind of file must say how it is checked.
 
     from soundness import assert_sound
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import PurePosixPath
 from typing import Any
@@ -28,6 +30,11 @@ ENV_FILES = {"earlyoom"}  # /etc/default/earlyoom: systemd's EnvironmentFile= of
 # Open MPI's hostfile: `HOST slots=N` lines and `#` comments; a host is an IPv4 address (a fabric address) or localhost.
 HOSTFILES = {"openmpi-hostfile"}
 HOSTFILE_LINE = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|localhost) slots=[1-9]\d*")
+# OpenSSH's configs (the mpi launcher's): the client's is read by the real reader, `ssh -G -F FILE host`; the
+# server's by its shape (no sshd here: the trtllm scenario's sshd reads it for real): `Keyword value` lines and `#`
+# comments, one line each.
+SSH_CONFIGS = {"ssh_config": "ssh", "sshd_config": "sshd"}
+SSHD_LINE = re.compile(r"[A-Z][A-Za-z0-9]+ [^\s#][^\n\r\x00]*")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -53,6 +60,8 @@ def file_format(path: str) -> str:
         return "env"
     if name in HOSTFILES:
         return "hostfile"
+    if name in SSH_CONFIGS:
+        return SSH_CONFIGS[name]
     suffix = PurePosixPath(path).suffix
     formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
     if suffix not in formats:
@@ -86,6 +95,17 @@ def problems(path: str, text: str) -> list[str]:
     if fmt == "sh":
         proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, check=False)
         return [] if proc.returncode == 0 else [f"{path}: bash -n: {proc.stderr.strip()}"]
+    if fmt == "ssh":
+        with tempfile.NamedTemporaryFile("w", suffix=".ssh_config") as f:
+            f.write(text)
+            f.flush()
+            proc = subprocess.run(["ssh", "-G", "-F", f.name, "node.invalid"], capture_output=True, text=True,
+                                  check=False)
+        return [] if proc.returncode == 0 else [f"{path}: ssh -G: {proc.stderr.strip()}"]
+    if fmt == "sshd":
+        return [f"{path}:{number}: not a `Keyword value` line: {line!r}"
+                for number, line in enumerate(text.split("\n"), 1)
+                if line.strip() and not line.startswith("#") and not SSHD_LINE.fullmatch(line)]
     if fmt == "hostfile":
         return [f"{path}:{number}: not a `HOST slots=N` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)

@@ -792,6 +792,8 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
     if ex.trtllm:  # the options file instead of vLLM's carry-over list; the hostfile on every node
         head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/engine-options.yml": 0o644}
         per_node["etc/hy3spark/openmpi-hostfile"] = 0o644
+        per_node["etc/hy3spark/mpi/sshd_config"] = 0o644  # the MPI sshd's; mpirun's ssh config on the head
+        head_only["etc/hy3spark/mpi/ssh_config"] = 0o644
     want = {"files/pi/models.json": 0o644, "files/pi/settings.json": 0o644, "inventory/hosts.yml": 0o644,
             "inventory/group_vars/all/hy3spark.yml": 0o644}
     for node in ex.nodes:

@@ -142,12 +142,18 @@ class TrtllmEngine:
         env.update({
             "OMPI_MCA_orte_default_hostfile": MPI_CONTAINER_HOSTFILE,
             "OMPI_MCA_rmaps_ppr_n_pernode": "1",
-            # mpirun on the head starts every node's daemon itself: only the head holds the cluster's client key
-            # (roles/mpi_node), so no daemon may start another's (Open MPI's tree spawn would, past two nodes).
-            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
             "OMPI_ALLOW_RUN_AS_ROOT": "1",
             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         })
+        if "OMPI_MCA_btl_tcp_if_include" in common:  # across nodes (one machine has no fabric and no remote daemon)
+            env.update({
+                # mpirun on the head starts every node's daemon itself: only the head holds the cluster's client key
+                # (roles/mpi_node), so no daemon may start another's (Open MPI's tree spawn would, past two nodes).
+                "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+                # Open MPI's control channel (mpirun <-> orted) on the fabric too, like its data
+                # (btl_tcp_if_include): by default it offers and listens on every interface, management's included.
+                "OMPI_MCA_oob_tcp_if_include": common["OMPI_MCA_btl_tcp_if_include"],
+            })
         return env
 
     @staticmethod
