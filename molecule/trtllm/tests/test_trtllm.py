@@ -25,7 +25,8 @@ HEAD, WORKER = "mpi-head", "mpi-worker"
 NODES = (HEAD, WORKER)
 FABRIC_IP = {HEAD: "10.95.5.11", WORKER: "10.95.5.12"}
 CONTAINER = {HEAD: "trtllm-head", WORKER: "trtllm-worker"}
-API_PORT, MPI_PORT = 8355, 2233
+API_PORT, ENGINE_PORT, MPI_PORT = 8355, 8356, 2233
+API_KEY = os.environ.get("HY3SPARK_TRTLLM_API_KEY", "")
 MODEL = "nvidia/Qwen3-235B-A22B-FP4"
 HF_TOKEN = os.environ.get("HF_TOKEN", "")
 RENDERED = SCENARIO / ".rendered"
@@ -34,8 +35,8 @@ DRIFT_RECORD = "/var/lib/hy3spark/deployed.json"
 MPI_DIR = "/etc/hy3spark/mpi"
 
 
-def api(path: str, body: dict | None = None, key: str = "") -> tuple[int, dict]:
-    return scenario.api(HEAD, path, body, key, port=API_PORT)
+def api(path: str, body: dict | None = None, key: str | None = API_KEY) -> tuple[int, dict]:
+    return scenario.api(HEAD, path, body, key or "", port=API_PORT)
 
 
 def ranks(name: str) -> dict[int, list[str]]:
@@ -70,7 +71,11 @@ def test_mpirun_on_the_head_started_one_rank_on_each_node() -> None:
     assert [argv[0] for argv in head.values()] == ["mpirun"], head
     rendered = (RENDERED / f"files/{HEAD}/etc/hy3spark/serve.sh").read_text().splitlines()[-1]
     assert rendered.startswith("exec mpirun ") and " --tp_size 2 " in rendered
-    assert rendered.endswith(" --port 8355 --host 127.0.0.1")
+    # trtllm-serve checks no key: it listens on loopback behind hy3spark's API front, which has the API port.
+    assert rendered.endswith(f" --port {ENGINE_PORT} --host 127.0.0.1")
+    listening = node(HEAD).check_output("ss -Hltnp").splitlines()
+    assert any(f"127.0.0.1:{ENGINE_PORT} " in line and "python3" in line for line in listening), listening
+    assert any(f"127.0.0.1:{API_PORT} " in line for line in listening), listening
     # The worker's rank came through its container's sshd (Open MPI's orted is its parent), not from a docker exec.
     worker = scenario.processes(WORKER, CONTAINER[WORKER])
     by_pid = {pid: (ppid, argv) for pid, ppid, argv in worker}
@@ -88,15 +93,24 @@ def test_models_completion_and_streaming_chat_under_the_repository_name() -> Non
     code = ("import json, sys, urllib.request\n"
             "req = urllib.request.Request(sys.argv[1], data=json.dumps({'model': sys.argv[2], 'stream': True,"
             " 'max_tokens': 6, 'messages': [{'role': 'user', 'content': 'hello'}]}).encode(),"
-            " headers={'Content-Type': 'application/json'})\n"
+            " headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + sys.argv[3]})\n"
             "with urllib.request.urlopen(req, timeout=60) as r:\n"
             "    print(r.status); print(r.read().decode())\n")
-    out = node(HEAD).check_output("python3 -c %s %s %s", code, f"http://127.0.0.1:{API_PORT}/v1/chat/completions",
-                                  MODEL)
+    out = node(HEAD).check_output("python3 -c %s %s %s %s", code,
+                                  f"http://127.0.0.1:{API_PORT}/v1/chat/completions", MODEL, API_KEY)
     status, _, text = out.partition("\n")
     chunks = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
     assert status == "200" and len(chunks) > 2 and chunks[-1] == "[DONE]", out
     assert "".join(json.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]).strip(), out
+
+
+def test_the_api_answers_401_without_the_key() -> None:
+    assert API_KEY, "molecule.yml sets the key in the controller's environment"
+    for path, body in (("/v1/models", None), ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})):
+        assert api(path, body, key="")[0] == 401, path
+        assert api(path, body, key="not-" + API_KEY)[0] == 401, path
+    assert api("/health", key="")[0] == 200  # as vLLM with --api-key: only /v1 needs the key
 
 
 def test_sshd_listens_on_the_fabric_only_and_lets_in_the_cluster_key_alone() -> None:
@@ -146,23 +160,30 @@ def test_hostfile_options_and_env_are_the_render_byte_for_byte() -> None:
 
 
 def test_no_secret_on_a_command_line_in_docker_inspect_a_record_or_the_output() -> None:
-    assert HF_TOKEN, "molecule.yml sets HF_TOKEN in the controller's environment"
+    assert HF_TOKEN and API_KEY, "molecule.yml sets HF_TOKEN and the API key in the controller's environment"
     secrets = node(HEAD).file("/etc/hy3spark/secrets.env")
-    assert secrets.mode == 0o600 and HF_TOKEN in secrets.content_string
+    assert secrets.mode == 0o600 and HF_TOKEN in secrets.content_string and API_KEY in secrets.content_string
     private = node(HEAD).file(f"{MPI_DIR}/id_ed25519").content_string.splitlines()[1]
     for name in NODES:
-        assert HF_TOKEN not in node(name).check_output("ps -eo args")
-        assert HF_TOKEN not in node(name).check_output(f"docker inspect {CONTAINER[name]}")
+        for secret in (HF_TOKEN, API_KEY):
+            assert secret not in node(name).check_output("ps -eo args")
+            assert secret not in node(name).check_output(f"docker inspect {CONTAINER[name]}")
         for path in (RUN_FILE, DRIFT_RECORD):
             if node(name).file(path).exists:
                 text = node(name).check_output(f"cat {path}")
-                assert HF_TOKEN not in text and private not in text, path
+                assert HF_TOKEN not in text and API_KEY not in text and private not in text, path
+    # The key reaches the front only: mpirun and every rank start without it (the serve script unsets it).
+    for name in NODES:
+        for pid, _ppid, argv in scenario.processes(name, CONTAINER[name]):
+            if any("trtllm" in a for a in argv):
+                environ = node(name).run(f"docker exec {CONTAINER[name]} cat /proc/{pid}/environ").stdout
+                assert API_KEY not in environ, (name, argv)
     # mpirun passes the token's NAME to the ranks; its value reaches rank 1 only through MPI's own wire.
     assert "-x HF_TOKEN " in (RENDERED / f"files/{HEAD}/etc/hy3spark/serve.sh").read_text()
     # A full run's output (what ansible-runner would keep as artifacts) holds neither.
     code, out = relaunch("-e", "drift_full_run=true", "-v")
     assert code == 0, out
-    assert HF_TOKEN not in out and private not in out
+    assert HF_TOKEN not in out and API_KEY not in out and private not in out
     assert "PRIVATE KEY" not in out
 
 
