@@ -41,6 +41,8 @@ PARITY: dict[str, dict[str, object]] = {
     },
     "engine-options.yml.j2": {"scope": "node", "path": "etc/hy3spark/engine-options.yml", "head_only": True},
     "openmpi-hostfile.j2": {"scope": "node", "path": "etc/hy3spark/openmpi-hostfile"},
+    "mpi-sshd_config.j2": {"scope": "node", "path": "etc/hy3spark/mpi/sshd_config"},
+    "mpi-ssh_config.j2": {"scope": "node", "path": "etc/hy3spark/mpi/ssh_config", "head_only": True},
     "container.json.j2": {"scope": "node", "path": "container.json"},
     "docker-run.sh.j2": {"scope": "node", "path": "docker-run.sh"},
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},
