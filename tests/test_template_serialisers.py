@@ -45,6 +45,9 @@ FORMAT_BY_SUFFIX = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".sh": "sh
 FORMAT_BY_NAME = {
     "earlyoom.j2": "env",  # /etc/default/earlyoom: systemd's EnvironmentFile= of earlyoom.service
     "openmpi-hostfile.j2": "hostfile",  # Open MPI's hostfile: one `HOST slots=N` line per node, `#` comments
+    # OpenSSH's configs (the mpi launcher's): `Keyword arguments` lines, `#` comments.
+    "mpi-sshd_config.j2": "ssh",
+    "mpi-ssh_config.j2": "ssh",
 }
 # Per format, the filter chains an interpolation may end in, outermost first: ("quote", "x") is `x | quote`.
 SERIALISERS: dict[str, set[tuple[str, ...]]] = {
@@ -56,8 +59,12 @@ SERIALISERS: dict[str, set[tuple[str, ...]]] = {
     "sourced-env": {(f"{FQCN}env_key",), ("quote", f"{FQCN}env_value")},
     # Open MPI splits a hostfile line at blanks: a host is one line (one_line) and one word (quote).
     "hostfile": {("quote", f"{FQCN}one_line")},
+    # OpenSSH reads a keyword's arguments to the end of its line (one_line); its quoting is not the shell's, so no
+    # `quote`: what lands there is an address the spec's grammar allows or a path of hy3spark's, neither with a blank.
+    # A number is one word (int).
+    "ssh": {(f"{FQCN}one_line",), ("int",)},
 }
-COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile"}  # formats with `#` line comments (JSON has none)
+COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh"}  # formats with `#` line comments (JSON has none)
 COMMENT_SERIALISERS = {(f"{FQCN}one_line",)}
 # ("templates/<name>", dotted name) -> why it may be emitted without a serialiser. Only values no spec can set.
 ALLOW_BARE: dict[tuple[str, str], str] = {}
