@@ -17,7 +17,7 @@ if [ -n "${INVOCATION_ID:-}" ]; then
 else
   exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
 fi
-echo 'hy3spark: starting trtllm for pair-trtllm (spec 09e5c8da98d4)'
+echo 'hy3spark: starting trtllm for pair-trtllm (spec 959e8e509af8)'
 # The API front checks the key in front of an engine that checks none: it answers on the API port, the engine
 # behind it on loopback. It reads the key from this environment, exits when the engine's launcher (this process,
 # after exec) does, and the engine starts without the key.
