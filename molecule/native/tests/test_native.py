@@ -181,7 +181,8 @@ def test_rerun_in_sync_skips_the_roles_and_checks_the_endpoint() -> None:
     assert result.returncode == 0, out
     assert "Every node matches its last complete run" in flat(out), out
     assert recap(out) == dict.fromkeys(NODES, 0), out
-    assert all(ok <= 10 for ok in recap(out, "ok").values()), out
+    # The drift check and the endpoint check (/v1/models, one completion): a dozen tasks, never the roles.
+    assert all(ok <= 12 for ok in recap(out, "ok").values()), out
     assert f"{SERVED} answered: " in out, out
     assert {name: engines(name) for name in NODES} == before
 
