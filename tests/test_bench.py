@@ -189,6 +189,21 @@ def _docker_usable() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True).returncode == 0
 
 
+def wait_healthy(root: str, name: str, timeout_s: float, poll_s: float) -> None:
+    """Until the engine double in container `name` answers 200 on {root}/health; its log tail when it never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{root}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        logs = subprocess.run(["docker", "logs", "--tail", "30", name], capture_output=True, text=True)
+        assert time.monotonic() < deadline, f"the double did not come up:\n{logs.stdout}{logs.stderr}"
+        time.sleep(poll_s)
+
+
 @pytest.fixture(scope="module")
 def bench_venv() -> Path:
     proc = subprocess.run(["bash", str(REPO / "scripts" / "bench-venv"), "--print"], capture_output=True, text=True)
@@ -229,17 +244,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         port = subprocess.run(["docker", "port", name, "8000"], capture_output=True, text=True).stdout.split(":")[-1]
         root = f"http://127.0.0.1:{port.strip()}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{root}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            logs = subprocess.run(["docker", "logs", "--tail", "30", name], capture_output=True, text=True)
-            assert time.monotonic() < deadline, f"the double did not come up:\n{logs.stdout}{logs.stderr}"
-            time.sleep(1)
+        wait_healthy(root, name, 90, 1)
         yield f"{root}/v1"
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)

@@ -14,15 +14,13 @@ import os
 import re
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import test_bench
 from docker_runs import docker, remove_leftovers
-from test_bench import READ_IDLE, SPEC, _docker_usable, _hy3spark, _up_record, compare_cells, up_record
+from test_bench import READ_IDLE, SPEC, _docker_usable, _hy3spark, _up_record, compare_cells, up_record, wait_healthy
 
 from hy3spark import bench, status
 from hy3spark.engines import engine_for
@@ -118,17 +116,7 @@ def trtllm_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
                "--tp_size", "1", "--backend", "pytorch", "--host", "0.0.0.0", "--port", str(PORT))
         port = docker("port", name, str(PORT)).stdout.split(":")[-1].strip()
         root = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{root}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            logs = docker("logs", "--tail", "30", name, check=False)
-            assert time.monotonic() < deadline, f"the double did not come up:\n{logs.stdout}{logs.stderr}"
-            time.sleep(0.5)
+        wait_healthy(root, name, 60, 0.5)
         yield f"{root}/v1", name
     finally:
         remove_leftovers(PREFIX, LABEL)
