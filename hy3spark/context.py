@@ -15,6 +15,7 @@ from typing_extensions import TypedDict
 
 from hy3spark import __version__
 from hy3spark.engines import SECRET_NAMES, Engine, engine_for, engine_front, engine_options
+from hy3spark.ports import PortEntry, port_table
 from hy3spark.spec import Loaded, Node, Spec, mpi_hosts
 
 MANAGED = "Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file."
@@ -32,6 +33,9 @@ ENGINE_OPTIONS = f"{CONFIG_DIR}/engine-options.yml"
 # hy3spark's API front, for an engine that checks no API key itself (TensorRT-LLM's serving role copies it to the
 # head; the container sees it through the /etc/hy3spark mount).
 API_FRONT = f"{CONFIG_DIR}/api-front.py"
+# The cluster's Ray token (ray.auth: token): made on the head by the ray_node role, copied to every node, 0600, read
+# by every Ray process through RAY_AUTH_TOKEN_PATH (the /etc/hy3spark mount). Never rendered.
+RAY_TOKEN = f"{CONFIG_DIR}/ray-token"
 # The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
@@ -148,7 +152,19 @@ class Ray(TypedDict):
     port: int
     version: str | None
     dashboard: str
+    auth: str  # token (the cluster's token in token_file) or off
+    token_file: str
     address: str | None  # None with no fabric (the native launcher on one machine starts no Ray)
+
+
+class Firewall(TypedDict):
+    """`hy3spark.firewall`: hy3spark's nftables table on every node (roles/firewall), from the ports of each node."""
+    enabled: bool
+    table: str  # `inet <table>`: the only table the role writes, replaces or deletes
+    api_allow: list[str]  # CIDRs that may reach the clients' ports; 0.0.0.0/0 and ::/0 mean any
+    remove_on_teardown: bool
+    interface: str | None  # the fabric interface; None with no fabric (one machine: nothing crosses a cable)
+    peers: list[str]  # every node's fabric address: the only sources of the cluster-internal ports
 
 
 class Earlyoom(TypedDict):
@@ -193,6 +209,7 @@ class Group(TypedDict):
     engine_options: dict[str, Any] | None
     mpi: Mpi | None
     ray: Ray
+    firewall: Firewall
     earlyoom: Earlyoom
     plan: Plan
     pi_models: dict[str, Any]
@@ -234,6 +251,8 @@ class NodeContext(TypedDict):
     # What the engine runs on this node (serve.sh execs it): the head's command, a native launcher's headless
     # command on the other nodes, nothing on a Ray worker (Ray places its ranks).
     serve_argv: list[str]
+    # Every port hy3spark's processes listen on here, where each binds and who may reach it (hy3spark/ports.py).
+    ports: list[PortEntry]
 
 
 class Context(TypedDict):
@@ -274,7 +293,24 @@ def node_env(spec: Spec, engine: Engine, node: Node) -> dict[str, str]:
             # ranks' NCCL lines, host and transport included, would never reach the serve log the transport gate
             # reads.
             env["RAY_DEDUP_LOGS"] = "0"
+    if spec.serving.launcher == "ray":
+        env.update(ray_env(spec))
     env.update(spec.container.env)
+    return env
+
+
+def ray_env(spec: Spec) -> dict[str, str]:
+    """Ray's own guards, for every Ray process in the node's container (ray start and all it starts, `ray status`,
+    the engine's driver): the token file (never the token: this file is copied into `docker inspect`), metrics off
+    unless asked for, and the two metrics servers Ray ports only take from the environment."""
+    env = {"DASHBOARD_METRIC_PORT": str(spec.ray.dashboard_metrics_port),
+           "AUTOSCALER_METRIC_PORT": str(spec.ray.autoscaler_metrics_port)}
+    if not spec.ray.metrics:
+        env["RAY_enable_metrics_collection"] = "0"
+    if spec.ray.auth == "token":
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": RAY_TOKEN}
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
     return env
 
 
@@ -289,11 +325,12 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
     ray = spec.ray
     argv = ["ray", "start"]
     if head:
-        argv += ["--head", "--port", str(ray.port)]
+        argv += ["--head", "--port", str(ray.port), "--ray-client-server-port", str(ray.client_server_port)]
         if ray.dashboard == "off":
             argv += ["--include-dashboard=false"]
         else:
-            argv += ["--include-dashboard=true", "--dashboard-host", "127.0.0.1"]
+            argv += ["--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                     str(ray.dashboard_port)]
     else:
         argv += ["--address", f"{_ip(spec.head)}:{ray.port}"]
     argv += [
@@ -303,6 +340,10 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
         "--object-manager-port", str(ray.object_manager_port),
         "--min-worker-port", str(ray.min_worker_port),
         "--max-worker-port", str(ray.max_worker_port),
+        "--dashboard-agent-listen-port", str(ray.dashboard_agent_listen_port),
+        "--dashboard-agent-grpc-port", str(ray.dashboard_agent_grpc_port),
+        "--runtime-env-agent-port", str(ray.runtime_env_agent_port),
+        "--metrics-export-port", str(ray.metrics_export_port),
         "--disable-usage-stats",
     ]
     if ray.object_store_memory_bytes:
@@ -461,6 +502,7 @@ def build_context(loaded: Loaded) -> Context:
             "container": container,
             "docker_run": docker_run_argv(container),
             "serve_argv": engine.node_argv(i),
+            "ports": port_table(spec, node, head),
         }
     serve_argv = engine.serve_argv()
     plan = plan_summary(loaded)
@@ -539,6 +581,16 @@ def build_context(loaded: Loaded) -> Context:
             "version": spec.ray.version,
             "dashboard": spec.ray.dashboard,
             "address": f"{head_ip}:{spec.ray.port}" if head_ip else None,
+            "auth": spec.ray.auth,
+            "token_file": RAY_TOKEN,
+        },
+        "firewall": {
+            "enabled": spec.firewall.enabled,
+            "table": "hy3spark",
+            "api_allow": list(spec.firewall.api_allow),
+            "remove_on_teardown": spec.firewall.remove_on_teardown,
+            "interface": spec.fabric.interfaces[0] if spec.fabric is not None else None,
+            "peers": [str(n.fabric_ip.ip) for n in spec.nodes if n.fabric_ip is not None],
         },
         "earlyoom": {
             "policy": spec.earlyoom.policy,

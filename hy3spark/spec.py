@@ -340,6 +340,21 @@ class Ray(SpecModel):
     object_manager_port: Annotated[int, Field(ge=1, le=65535)] = 6381
     min_worker_port: Annotated[int, Field(ge=1024, le=65535)] = 20000
     max_worker_port: Annotated[int, Field(ge=1024, le=65535)] = 20999
+    # Every other port Ray opens, pinned so the firewall can name it (Ray picks a random one for several otherwise).
+    client_server_port: Annotated[int, Field(ge=1, le=65535)] = 10001
+    dashboard_port: Annotated[int, Field(ge=1, le=65535)] = 8265
+    dashboard_agent_listen_port: Annotated[int, Field(ge=1, le=65535)] = 52365
+    dashboard_agent_grpc_port: Annotated[int, Field(ge=1, le=65535)] = 52366
+    runtime_env_agent_port: Annotated[int, Field(ge=1, le=65535)] = 52368
+    metrics_export_port: Annotated[int, Field(ge=1, le=65535)] = 52367
+    dashboard_metrics_port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=44227, description="the dashboard head process's Prometheus server (Ray's DASHBOARD_METRIC_PORT)")
+    autoscaler_metrics_port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=44217, description="the autoscaler monitor's Prometheus server (Ray's AUTOSCALER_METRIC_PORT)")
+    metrics: bool = Field(default=False, description="Ray's metrics export (metrics_export_port); off by default")
+    auth: Literal["token", "off"] = Field(
+        default="token", description="token: every Ray process needs the cluster's token (Ray 2.52 and later); off "
+                                     "accepts the ShadowRay risk: anyone reaching a Ray port runs code")
 
     @model_validator(mode="after")
     def _ports(self) -> Ray:
@@ -358,6 +373,39 @@ class Container(SpecModel):
     gpus: bool = Field(default=True, description="request all GPUs (--gpus all); false only for test nodes")
     env: dict[Annotated[str, AfterValidator(grammars.env_name)], Annotated[str, AfterValidator(grammars.env_value)]] = (
         Field(default_factory=dict, description="extra non-secret env for every container"))
+
+
+def _network(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return str(ipaddress.ip_network(value, strict=True))
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a network in CIDR form (10.0.0.0/24, 192.0.2.7/32 or ::/0): {exc}") \
+                from None
+    raise ValueError("a network in CIDR form, as a string (10.0.0.0/24)")
+
+
+class Firewall(SpecModel):
+    """hy3spark's own nftables table on every node (roles/firewall): the cluster-internal ports (Ray, MPI, the
+    rendezvous) admit only the cluster's fabric addresses on the fabric interface, the API port only `api_allow`.
+    SSH and every other rule on the node are left as they are."""
+
+    enabled: bool = Field(default=True, description="false (or `firewall: off`) leaves the nodes without it; every "
+                                                    "render and run warns")
+    api_allow: Annotated[list[Annotated[str, BeforeValidator(_network)]], Field(min_length=1)] = Field(
+        default_factory=lambda: ["0.0.0.0/0", "::/0"],
+        description="networks that may reach serving.port (the API key is still required); default any")
+    remove_on_teardown: bool = Field(default=False, description="teardown removes the table too (kept by default: "
+                                                                "a torn-down node stays closed)")
+
+
+def _firewall_switch(value: Any) -> Any:
+    """`firewall: off` (or false/on/true) is the short form of `firewall: {enabled: ...}`."""
+    if value is False or value == "off":
+        return {"enabled": False}
+    if value is True or value == "on":
+        return {"enabled": True}
+    return value
 
 
 class Earlyoom(SpecModel):
@@ -400,6 +448,7 @@ class Spec(SpecModel):
     ray: Ray = Ray()
     container: Container = Container()
     earlyoom: Earlyoom = Earlyoom()
+    firewall: Annotated[Firewall, BeforeValidator(_firewall_switch)] = Firewall()
     hardware: Hardware = Hardware()
     pi: Pi = Pi()
 
@@ -589,20 +638,23 @@ def _check_serving(spec: Spec) -> list[Problem]:
         problems.append((("serving", "max_model_len"),
                          f"{s.max_model_len} is above the model's context of {arch.max_context} tokens; use at most "
                          f"{arch.max_context}"))
-    reserved = {spec.ray.port, spec.ray.node_manager_port, spec.ray.object_manager_port}
+    core = {spec.ray.port, spec.ray.node_manager_port, spec.ray.object_manager_port}
+    # Every single port Ray opens but the two with a message of their own below.
+    reserved = {port for _, key, port in ray_ports(spec, head=True)
+                if key not in {"client_server_port", "dashboard_port"}}
     ray = s.launcher == "ray"  # the native launcher starts no Ray: its ports are free then
     if ray and (s.port in reserved or spec.ray.min_worker_port <= s.port <= spec.ray.max_worker_port):
         problems.append((("serving", "port"), f"{s.port} collides with a Ray port; pick another serving.port"))
     elif s.port == SSH_PORT:
         problems.append((("serving", "port"), f"{s.port} is SSH's port, which Ansible reaches the nodes on; pick "
                                               "another serving.port"))
-    elif ray and s.port == RAY_CLIENT_PORT:
-        problems.append((("serving", "port"), f"{s.port} is Ray's client server port on the head (ray start "
-                                              "--head's default); pick another serving.port"))
-    elif ray and s.port == RAY_DASHBOARD_PORT and spec.ray.dashboard != "off":
+    elif ray and s.port == spec.ray.client_server_port:
+        problems.append((("serving", "port"), f"{s.port} is Ray's client server port on the head "
+                                              "(ray.client_server_port); pick another serving.port"))
+    elif ray and s.port == spec.ray.dashboard_port and spec.ray.dashboard != "off":
         problems.append((("serving", "port"), f"{s.port} is Ray's dashboard port, and ray.dashboard is "
                                               f"{spec.ray.dashboard}; pick another serving.port"))
-    if len(reserved) != 3 and s.launcher == "ray":
+    if len(core) != 3 and s.launcher == "ray":
         problems.append((("ray", "port"), "ray.port, ray.node_manager_port and ray.object_manager_port must differ"))
     # Every engine's endpoint checks the key when api_key_env is set: vLLM itself (--api-key), trtllm-serve through
     # hy3spark's API front (engine_port).
@@ -659,12 +711,14 @@ OWNED_ENV_PREFIXES = ("NCCL_IB_", "OMPI_MCA_")
 OWNED_ENV_SUFFIXES = ("_SOCKET_IFNAME",)
 # Set when the transport gate is on: it reads NCCL's INFO lines from the serve log.
 TRANSPORT_ENV = {"NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "RAY_DEDUP_LOGS"}
+# Ray's settings that guard it: token auth (RAY_AUTH_TOKEN would put the token in `docker inspect`), metrics, and the
+# ports its metrics servers take from the environment.
+RAY_OWNED_ENV = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_enable_metrics_collection",
+                 "DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT"}
 SSH_PORT = 22
 # trtllm-serve has no --api_key (an open feature request upstream): with serving.api_key_env set, hy3spark's API front
 # checks the key in front of it (engine_port).
 TRTLLM_NO_KEY = "NVIDIA/TensorRT-LLM#9950"
-RAY_CLIENT_PORT = 10001
-RAY_DASHBOARD_PORT = 8265
 
 
 def _check_env(spec: Spec) -> list[Problem]:
@@ -677,6 +731,10 @@ def _check_env(spec: Spec) -> list[Problem]:
             problems.append((path, f"{key} is where the engine reads a secret; secrets never go in the spec: "
                                    "export it on the controller and name the variable in serving.api_key_env or "
                                    "model.token_env"))
+        elif key in RAY_OWNED_ENV:
+            problems.append((path, f"{key} is set by hy3spark from the ray section (ray.auth, ray.metrics and the "
+                                   "ray.*_metrics_port fields); container.env may not override it: a copied spec "
+                                   "could otherwise turn off Ray's token check"))
         elif key in OWNED_ENV or key.startswith(OWNED_ENV_PREFIXES) or key.endswith(OWNED_ENV_SUFFIXES):
             problems.append((path, f"{key} is derived per node by hy3spark (from fabric, model.cache_dir and the "
                                    "node's own address); container.env may not override it"))
@@ -717,6 +775,52 @@ def _check_earlyoom(spec: Spec) -> list[Problem]:
 
 
 DEFAULT_MASTER_PORT = 29501  # vLLM's own default for --master-port
+
+
+def ray_ports(spec: Spec, head: bool) -> list[tuple[str, str, int]]:
+    """(what, ray field, port) of every single port Ray opens on a head or worker node (the worker range aside)."""
+    ray = spec.ray
+    ports: list[tuple[str, str, int]] = []
+    if head:
+        ports += [("Ray GCS", "port", ray.port),
+                  ("Ray client server", "client_server_port", ray.client_server_port),
+                  ("Ray dashboard head's metrics", "dashboard_metrics_port", ray.dashboard_metrics_port),
+                  ("Ray autoscaler monitor's metrics", "autoscaler_metrics_port", ray.autoscaler_metrics_port)]
+        if ray.dashboard != "off":
+            ports.append(("Ray dashboard", "dashboard_port", ray.dashboard_port))
+    ports += [("Ray node manager (raylet)", "node_manager_port", ray.node_manager_port),
+              ("Ray object manager", "object_manager_port", ray.object_manager_port),
+              ("Ray dashboard agent (HTTP)", "dashboard_agent_listen_port", ray.dashboard_agent_listen_port),
+              ("Ray dashboard agent (gRPC)", "dashboard_agent_grpc_port", ray.dashboard_agent_grpc_port),
+              ("Ray runtime-env agent", "runtime_env_agent_port", ray.runtime_env_agent_port)]
+    if ray.metrics:
+        ports.append(("Ray metrics export", "metrics_export_port", ray.metrics_export_port))
+    return ports
+
+
+
+def _check_ray_ports(spec: Spec) -> list[Problem]:
+    """Every port Ray opens is distinct, outside its own worker range and off SSH's port: the firewall and the
+    render's port table name each one, and two processes cannot bind one port."""
+    if spec.serving.launcher != "ray":
+        return []
+    ray = spec.ray
+    core = {"port", "node_manager_port", "object_manager_port"}  # _check_serving has their message
+    problems: list[Problem] = []
+    seen: dict[int, str] = {}
+    for _, key, port in ray_ports(spec, head=True):
+        other = seen.setdefault(port, key)
+        if other != key and not {key, other} <= core:
+            problems.append((("ray", key), f"{port} is also ray.{other}; every port Ray opens must differ: pick "
+                                           f"another ray.{key}"))
+        elif ray.min_worker_port <= port <= ray.max_worker_port:
+            problems.append((("ray", key), f"{port} is inside Ray's worker port range ({ray.min_worker_port}-"
+                                           f"{ray.max_worker_port}, ray.min_worker_port to ray.max_worker_port); "
+                                           f"pick a ray.{key} outside it, or move the range"))
+        elif port == SSH_PORT:
+            problems.append((("ray", key), f"{port} is SSH's port, which Ansible reaches the nodes on; pick "
+                                           f"another ray.{key}"))
+    return problems
 
 
 def master_port(spec: Spec) -> int | None:
@@ -830,7 +934,7 @@ def _check_launcher(spec: Spec) -> list[Problem]:
 
 
 _RULES = (_check_secret_refs, _check_nodes, _check_fabric_presence, _check_fabric, _check_serving, _check_env,
-          _check_extra_args, _check_earlyoom, _check_launcher)
+          _check_extra_args, _check_earlyoom, _check_launcher, _check_ray_ports)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1081,5 +1185,12 @@ def parse_spec(text: str, source: str, sha256: str | None = None) -> Loaded:
     if spec.serving.open_endpoint and not spec.serving.host.is_loopback:
         warnings.append(f"{where(('serving', 'open_endpoint'))}serving.open_endpoint: the endpoint on "
                         f"{spec.serving.host}:{spec.serving.port} answers anyone who can reach it, without a key")
+    if not spec.firewall.enabled:
+        warnings.append(f"{where(('firewall',))}firewall: off: no node gets hy3spark's nftables table, so every port "
+                        "Ray and the engine bind to all addresses answers whoever reaches the node (see the README's "
+                        "security section)")
+    if spec.serving.launcher == "ray" and spec.ray.auth == "off":
+        warnings.append(f"{where(('ray', 'auth'))}ray.auth: off: Ray runs without its token check; anyone who "
+                        "reaches a Ray port can run code on the nodes (ShadowRay)")
     digest = sha256 or hashlib.sha256(text.encode()).hexdigest()
     return Loaded(spec=spec, source=source, sha256=digest, warnings=warnings, raw=data)

@@ -35,6 +35,9 @@ HOSTFILE_LINE = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|localhost) slots=[1-9]\d
 # comments, one line each.
 SSH_CONFIGS = {"ssh_config": "ssh", "sshd_config": "sshd"}
 SSHD_LINE = re.compile(r"[A-Z][A-Za-z0-9]+ [^\s#][^\n\r\x00]*")
+# The port table (templates/ports.txt.j2): one port or range a line, its bind address and who may reach it.
+PORT_TABLES = {"ports.txt"}
+PORT_LINE = re.compile(r"\d{1,5}(?:-\d{1,5})?/tcp bind [0-9.:a-f]+ from (?:fabric|clients|loopback|ssh): [^\n\r\x00]+")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -62,6 +65,8 @@ def file_format(path: str) -> str:
         return "hostfile"
     if name in SSH_CONFIGS:
         return SSH_CONFIGS[name]
+    if name in PORT_TABLES:
+        return "ports"
     suffix = PurePosixPath(path).suffix
     formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
     if suffix not in formats:
@@ -106,6 +111,10 @@ def problems(path: str, text: str) -> list[str]:
         return [f"{path}:{number}: not a `Keyword value` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)
                 if line.strip() and not line.startswith("#") and not SSHD_LINE.fullmatch(line)]
+    if fmt == "ports":
+        return [f"{path}:{number}: not a `PORT/tcp bind ADDR from REACH: what` line: {line!r}"
+                for number, line in enumerate(text.split("\n"), 1)
+                if line.strip() and not line.startswith("#") and not PORT_LINE.fullmatch(line)]
     if fmt == "hostfile":
         return [f"{path}:{number}: not a `HOST slots=N` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)

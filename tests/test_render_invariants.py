@@ -783,7 +783,8 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
     """`--out` writes the files `render` shows, with their modes, plus its manifest; nothing else and no other
     node's files (a removed worker leaves nothing behind)."""
     ex, r = expect(CASES[name]), rendered(name)
-    per_node = {"etc/hy3spark/node.env": 0o600, "container.json": 0o644, "docker-run.sh": 0o755}
+    per_node = {"etc/hy3spark/node.env": 0o600, "container.json": 0o644, "docker-run.sh": 0o755,
+                "etc/hy3spark/ports.txt": 0o644}
     if ex.fabric:
         per_node["etc/netplan/60-hy3spark-fabric.yaml"] = 0o600
     if ex.get("earlyoom.policy", "protect") == "protect":

@@ -44,6 +44,7 @@ PARITY: dict[str, dict[str, object]] = {
     "mpi-sshd_config.j2": {"scope": "node", "path": "etc/hy3spark/mpi/sshd_config"},
     "mpi-ssh_config.j2": {"scope": "node", "path": "etc/hy3spark/mpi/ssh_config", "head_only": True},
     "container.json.j2": {"scope": "node", "path": "container.json"},
+    "ports.txt.j2": {"scope": "node", "path": "etc/hy3spark/ports.txt"},
     "docker-run.sh.j2": {"scope": "node", "path": "docker-run.sh"},
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},
     "pi-settings.json.j2": {"scope": "cluster", "path": "pi/settings.json"},

@@ -48,6 +48,8 @@ FORMAT_BY_NAME = {
     # OpenSSH's configs (the mpi launcher's): `Keyword arguments` lines, `#` comments.
     "mpi-sshd_config.j2": "ssh",
     "mpi-ssh_config.j2": "ssh",
+    # The port table (hy3spark/ports.py): `PORT/tcp bind ADDR from REACH: what (field)` lines, `#` comments.
+    "ports.txt.j2": "text",
 }
 # Per format, the filter chains an interpolation may end in, outermost first: ("quote", "x") is `x | quote`.
 SERIALISERS: dict[str, set[tuple[str, ...]]] = {
@@ -63,8 +65,11 @@ SERIALISERS: dict[str, set[tuple[str, ...]]] = {
     # `quote`: what lands there is an address the spec's grammar allows or a path of hy3spark's, neither with a blank.
     # A number is one word (int).
     "ssh": {(f"{FQCN}one_line",), ("int",)},
+    # A line-oriented text file read by people and by tests/soundness.py: text on one line, numbers as ints.
+    "text": {(f"{FQCN}one_line",), ("int",)},
 }
-COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh"}  # formats with `#` line comments (JSON has none)
+# formats with `#` line comments (JSON has none)
+COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh", "text"}
 COMMENT_SERIALISERS = {(f"{FQCN}one_line",)}
 # ("templates/<name>", dotted name) -> why it may be emitted without a serialiser. Only values no spec can set.
 ALLOW_BARE: dict[tuple[str, str], str] = {}
