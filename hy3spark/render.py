@@ -119,6 +119,9 @@ def render_all(loaded: Loaded) -> list[Output]:
         outputs.append(Output(f"{root}/container.json", "container", tpl("container.json.j2", hy3spark_node=node)))
         # Every port this node listens on, and who may reach it: the firewall's input, deployed beside its rules.
         outputs.append(Output(f"{root}/etc/hy3spark/ports.txt", "ports", tpl("ports.txt.j2", hy3spark_node=node)))
+        if group["firewall"]["enabled"]:  # hy3spark's nftables table, which admits each port only from its "from"
+            outputs.append(Output(f"{root}/etc/hy3spark/firewall.nft", "firewall",
+                                  tpl("firewall.nft.j2", hy3spark_node=node)))
         outputs.append(Output(f"{root}/docker-run.sh", "container", tpl("docker-run.sh.j2", hy3spark_node=node),
                               0o755))
         if node["serve_argv"]:  # every node under the native launcher; the head only under Ray
@@ -145,7 +148,7 @@ def render_all(loaded: Loaded) -> list[Output]:
     return outputs
 
 
-KINDS = ("inventory", "netplan", "earlyoom", "env", "container", "ports", "serve", "pi")
+KINDS = ("inventory", "netplan", "earlyoom", "env", "container", "ports", "firewall", "serve", "pi")
 
 
 def select(outputs: list[Output], only: str | None) -> list[Output]:

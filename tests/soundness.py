@@ -4,7 +4,9 @@ For anyone who renders a spec and wants to know the files mean what they say (th
 corpus of issue 14): every YAML file parses to one document with each key once, every JSON file parses with each
 key once, every shell script passes `bash -n`, and every env file (node.env, secrets.env, /etc/default/earlyoom) is
 blank lines, `#` comments and NAME=value lines only, Open MPI's hostfile `HOST slots=N` lines, OpenSSH's client config
-what `ssh -G` reads, and its server config `Keyword value` lines. A file whose
+what `ssh -G` reads, and its server config `Keyword value` lines, and hy3spark's nftables script what `nft -c -f`
+accepts (nft checks it against the kernel without applying it; on a machine without nft or without the right to ask
+the kernel, it is checked by its shape: scripts/ensure-docker installs nftables for a full run). A file whose
 format is not known fails: a new kind of file must say how it is checked.
 
     from soundness import assert_sound
@@ -14,7 +16,9 @@ format is not known fails: a new kind of file must say how it is checked.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -37,6 +41,8 @@ SSH_CONFIGS = {"ssh_config": "ssh", "sshd_config": "sshd"}
 SSHD_LINE = re.compile(r"[A-Z][A-Za-z0-9]+ [^\s#][^\n\r\x00]*")
 # The port table (templates/ports.txt.j2): one port or range a line, its bind address and who may reach it.
 PORT_TABLES = {"ports.txt"}
+# hy3spark's nftables script (templates/firewall.nft.j2): checked by `nft -c -f`, nft's own reader with the kernel.
+NFT_SCRIPTS = {"firewall.nft"}
 PORT_LINE = re.compile(r"\d{1,5}(?:-\d{1,5})?/tcp bind [0-9.:a-f]+ from (?:fabric|clients|loopback|ssh): [^\n\r\x00]+")
 
 
@@ -67,6 +73,8 @@ def file_format(path: str) -> str:
         return SSH_CONFIGS[name]
     if name in PORT_TABLES:
         return "ports"
+    if name in NFT_SCRIPTS:
+        return "nft"
     suffix = PurePosixPath(path).suffix
     formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
     if suffix not in formats:
@@ -80,6 +88,26 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if twice:
         raise ValueError(f"key(s) given twice: {twice}")
     return dict(pairs)
+
+
+def _nft_problems(path: str, text: str) -> list[str]:
+    nft = shutil.which("nft") or next((p for p in ("/usr/sbin/nft", "/sbin/nft") if os.access(p, os.X_OK)), None)
+    if nft is not None:
+        with tempfile.NamedTemporaryFile("w", suffix=".nft") as f:
+            f.write(text)
+            f.flush()
+            proc = subprocess.run([nft, "-c", "-f", f.name], capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            return []
+        if "Operation not permitted" not in proc.stderr:
+            return [f"{path}: nft -c: {proc.stderr.strip()}"]
+    # No nft, or no CAP_NET_ADMIN to ask the kernel: the shape, one table of ours replaced in one transaction.
+    head = [line for line in text.split("\n") if line.strip() and not line.startswith("#")][:3]
+    found = [] if re.fullmatch(r"table inet (\w+)\ndelete table inet \1\ntable inet \1 \{", "\n".join(head)) else [
+        f"{path}: does not start by replacing one table (table inet T / delete table inet T / table inet T {{)"]
+    if text.count("{") != text.count("}"):
+        found.append(f"{path}: unbalanced braces")
+    return found
 
 
 def problems(path: str, text: str) -> list[str]:
@@ -115,6 +143,8 @@ def problems(path: str, text: str) -> list[str]:
         return [f"{path}:{number}: not a `PORT/tcp bind ADDR from REACH: what` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)
                 if line.strip() and not line.startswith("#") and not PORT_LINE.fullmatch(line)]
+    if fmt == "nft":
+        return _nft_problems(path, text)
     if fmt == "hostfile":
         return [f"{path}:{number}: not a `HOST slots=N` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)

@@ -105,6 +105,8 @@ def _variations() -> dict[str, str]:
         "host-mgmt-port-9000": vary(pair, serving={"host": "192.168.1.10", "port": 9000}),
         "host-fabric": vary(pair, serving={"host": "10.0.0.1"}),
         "earlyoom-stop": vary(pair, earlyoom={"policy": "stop"}),
+        "firewall-off": vary(pair, firewall="off"),
+        "firewall-api-allow": vary(pair, firewall={"api_allow": ["192.168.1.0/24", "2001:db8::/32"]}),
         "earlyoom-leave": vary(pair, earlyoom={"policy": "leave"}),
         "earlyoom-own-lists": vary(pair, earlyoom={"policy": "protect", "prefer": ["chrome", "slack", "thunderbird"],
                                                    "avoid": ["vllm", "VLLM", "ray", "raylet", "gcs_server", "python3",
@@ -789,6 +791,8 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
         per_node["etc/netplan/60-hy3spark-fabric.yaml"] = 0o600
     if ex.get("earlyoom.policy", "protect") == "protect":
         per_node["etc/default/earlyoom"] = 0o644
+    if ex.get("firewall", {}) not in (False, "off") and ex.get("firewall.enabled", True):
+        per_node["etc/hy3spark/firewall.nft"] = 0o644
     head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/vllm/ray_non_carry_over_env_vars.json": 0o644}
     if ex.trtllm:  # the options file instead of vLLM's carry-over list; the hostfile on every node
         head_only = {"etc/hy3spark/serve.sh": 0o755, "etc/hy3spark/engine-options.yml": 0o644}

@@ -45,6 +45,7 @@ PARITY: dict[str, dict[str, object]] = {
     "mpi-ssh_config.j2": {"scope": "node", "path": "etc/hy3spark/mpi/ssh_config", "head_only": True},
     "container.json.j2": {"scope": "node", "path": "container.json"},
     "ports.txt.j2": {"scope": "node", "path": "etc/hy3spark/ports.txt"},
+    "firewall.nft.j2": {"scope": "node", "path": "etc/hy3spark/firewall.nft"},
     "docker-run.sh.j2": {"scope": "node", "path": "docker-run.sh"},
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},
     "pi-settings.json.j2": {"scope": "cluster", "path": "pi/settings.json"},
@@ -107,6 +108,8 @@ def _awkward_spec() -> dict[str, object]:
     spec["serving"] = {"served_name": "hy3:latest", "port": 9443, "host": "127.0.0.1",
                        "extra_args": ["--override-generation-config", '{"temperature": 0.6, "note": "ü"}']}
     spec["ray"] = {"dashboard": "localhost", "object_store_memory_bytes": 8589934592}
+    # Both families fenced, one each: the firewall's split of api_allow into ip and ip6 sets, rendered both ways.
+    spec["firewall"] = {"api_allow": ["192.168.100.0/24", "2001:db8::/32"]}
     spec["earlyoom"] = {"mem_percent": 6, "swap_percent": 50, "avoid": ["vllm", "ray::.*", "VLLM::.*"],
                         "prefer": ["chrome"]}
     spec["pi"] = {"model_label": "Hy3 — zwei Sparks", "thinking_level_map": {"off": "no_think", "on": "high"},

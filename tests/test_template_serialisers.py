@@ -50,6 +50,8 @@ FORMAT_BY_NAME = {
     "mpi-ssh_config.j2": "ssh",
     # The port table (hy3spark/ports.py): `PORT/tcp bind ADDR from REACH: what (field)` lines, `#` comments.
     "ports.txt.j2": "text",
+    # hy3spark's nftables script (roles/firewall): nft's own grammar, `#` comments.
+    "firewall.nft.j2": "nft",
 }
 # Per format, the filter chains an interpolation may end in, outermost first: ("quote", "x") is `x | quote`.
 SERIALISERS: dict[str, set[tuple[str, ...]]] = {
@@ -67,9 +69,14 @@ SERIALISERS: dict[str, set[tuple[str, ...]]] = {
     "ssh": {(f"{FQCN}one_line",), ("int",)},
     # A line-oriented text file read by people and by tests/soundness.py: text on one line, numbers as ints.
     "text": {(f"{FQCN}one_line",), ("int",)},
+    # nftables: an address or network through nft_address (ipaddress's canonical text: digits, '.', ':', '/', hex
+    # letters; nothing nft reads as a separator, a brace or a statement), a name through nft_name (letters, digits,
+    # '_', '.', '-': one token, and inside "..." nothing that ends the quotes, which have no escapes, or makes a
+    # wildcard), a port through int. No to_json or quote: nft's strings are not JSON's or the shell's.
+    "nft": {(f"{FQCN}nft_address",), (f"{FQCN}nft_name",), ("int",)},
 }
 # formats with `#` line comments (JSON has none)
-COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh", "text"}
+COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh", "text", "nft"}
 COMMENT_SERIALISERS = {(f"{FQCN}one_line",)}
 # ("templates/<name>", dotted name) -> why it may be emitted without a serialiser. Only values no spec can set.
 ALLOW_BARE: dict[tuple[str, str], str] = {}
@@ -292,3 +299,16 @@ def test_a_hostile_value_stays_one_string_in_the_inventory() -> None:
     children = yaml.safe_load(text)["all"]["children"]
     assert children["hy3spark_head"]["hosts"] == {"no": {"ansible_host": evil, "ansible_user": "0755"}}
     assert children["hy3spark_workers"]["hosts"] == {"1.5": {"ansible_host": "on", "ansible_user": "null"}}
+
+
+def test_the_nft_serialisers_pass_addresses_and_names_and_refuse_the_rest() -> None:
+    assert FILTERS.nft_address("10.0.0.1", "peer") == "10.0.0.1"
+    assert [FILTERS.nft_address(n) for n in ("0.0.0.0/0", "::/0", "2001:db8::/32")] == ["0.0.0.0/0", "::/0",
+                                                                                          "2001:db8::/32"]
+    assert FILTERS.nft_name("enP2p1s0f1np1", "iface") == "enP2p1s0f1np1"
+    for bad in ("10.0.0.1 } accept", "10.0.0.1/8", "10.0.0.0/24\ndrop", "any", 7):
+        with pytest.raises(FILTERS.UnsafeValue, match="^peer: "):
+            FILTERS.nft_address(bad, "peer")
+    for bad in ('eth0" accept', "eth*", "-x", "a b", "eth0;drop", "", "a\\b"):
+        with pytest.raises(FILTERS.UnsafeValue, match="^iface: "):
+            FILTERS.nft_name(bad, "iface")

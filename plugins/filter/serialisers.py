@@ -1,4 +1,5 @@
-"""Serialisers for the text formats the templates write where no standard filter fits: env files and comments.
+"""Serialisers for the text formats the templates write where no standard filter fits: env files, comments and
+nftables scripts.
 
 Every value a template emits goes through a serialiser for its file's format (tests/test_template_serialisers.py
 walks the templates and fails on one that does not): YAML and JSON through `to_json`/`to_nice_yaml`/`to_nice_json`,
@@ -9,6 +10,10 @@ shell words through `quote`, and these:
                                    double quotes (systemd's EnvironmentFile=, /etc/default/earlyoom) and refuses
                                    the characters that would end or escape inside them: ", \\ and `
     one_line(value, what)          text for a comment, which only a line break can end
+    nft_address(value, what)       an IP address or network (CIDR) in an nftables script, in its canonical form
+    nft_name(value, what)          a name in an nftables script (a table, an interface inside "..."): letters,
+                                   digits, '_', '.', '-' only, so it can neither end nft's quotes (which have no
+                                   escapes), nor be a wildcard (a trailing '*'), nor start a new statement
 
 They never escape: a value that cannot be written safely is refused with an error naming its key, so a file that
 means something other than the spec is never written. The same templates are rendered by `hy3spark render`
@@ -20,6 +25,7 @@ Plain Python, standard library only: hy3spark's render loads it without Ansible.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -28,6 +34,9 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # systemd's EnvironmentFile= (\n, \r), YAML (\n, \r, and in YAML 1.1 \x85, \u2028, \u2029), Python's splitlines
 # (the rest). NUL ends a C string: systemd and bash would cut the value there.
 LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029\x00"
+# nft's names: a table, a chain, an interface name (the kernel's dev_valid_name is wider; the spec's netdev grammar
+# is this). Not starting with '-' or '.', so never an option or a number's tail.
+NFT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Inside EnvironmentFile='s double quotes a backslash escapes ", \, ` and $; " ends the value.
 IN_DOUBLE_QUOTES = '"\\`'
 
@@ -69,10 +78,29 @@ def one_line(value: Any, what: str = "comment") -> str:
     return _text(value, what)
 
 
+def nft_address(value: Any, what: str = "address") -> str:
+    text = _text(value, what)
+    try:
+        return str(ipaddress.ip_network(text, strict=True)) if "/" in text else str(ipaddress.ip_address(text))
+    except ValueError:
+        raise UnsafeValue(f"{what}: {text!r} is not an IP address or network; an nftables set holds only those") \
+            from None
+
+
+def nft_name(value: Any, what: str = "name") -> str:
+    text = _text(value, what)
+    if not NFT_NAME.fullmatch(text):
+        raise UnsafeValue(f"{what}: {text!r} is not a name nftables reads as one (letters, digits, '_', '.', '-'; "
+                          "not starting with '-' or '.')")
+    return text
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "env_key": env_key,
             "env_value": env_value,
             "one_line": one_line,
+            "nft_address": nft_address,
+            "nft_name": nft_name,
         }
