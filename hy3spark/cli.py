@@ -144,6 +144,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--full-run", action="store_true",
                    help="run every role even when every node matches its last complete run (site.yml's drift "
                         "check would otherwise skip them and only check the endpoint)")
+    p.add_argument("--rotate-ray-token", action="store_true",
+                   help="make a new cluster Ray token on the head (ray.auth: token), copy it to every node and "
+                        "restart every node's Ray and the engine with it (implies --full-run); the old token stops "
+                        "working (the same as -e hy3spark_rotate_ray_token=true with --full-run)")
     _passthrough(p)
     p.set_defaults(func=cmd_up)
 
@@ -409,6 +413,8 @@ def _runs_dir(args: argparse.Namespace) -> Path:
 
 
 def _full_run(args: argparse.Namespace) -> dict[str, bool] | None:
+    if getattr(args, "rotate_ray_token", False):  # up only: every Ray restarts, so every role after it runs
+        return {"drift_full_run": True, "hy3spark_rotate_ray_token": True}
     return {"drift_full_run": True} if args.full_run else None
 
 

@@ -231,6 +231,9 @@ class Container(TypedDict):
     optional_devices: list[str]
     labels: dict[str, str]
     restart_policy: str
+    # Docker's init (tini) as PID 1: it reaps what the command leaves behind (a tee after the engine dies), which
+    # `ray start --block`, sshd or `sleep infinity` as PID 1 would leave as zombies.
+    init: bool
 
 
 class NodeContext(TypedDict):
@@ -400,6 +403,7 @@ def _container_for(spec: Spec, node: Node, head: bool) -> Container:
         "optional_devices": ["/dev/infiniband"],
         "labels": {"io.hy3spark.cluster": spec.name, "io.hy3spark.role": role},
         "restart_policy": "no",
+        "init": True,
     }
 
 
@@ -407,6 +411,8 @@ def docker_run_argv(container: Container) -> list[str]:
     """The `docker run` equivalent of a container definition, for people who think in docker run."""
     args = ["docker", "run", "-d", "--name", container["name"], "--network", container["network_mode"],
             "--ipc", container["ipc_mode"]]
+    if container["init"]:
+        args.append("--init")
     if container["gpus"]:
         args += ["--gpus", "all"]
     if container["shm_size"]:

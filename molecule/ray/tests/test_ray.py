@@ -60,6 +60,75 @@ def test_serves_with_tensor_parallel_one() -> None:
     assert record["max_concurrency_line"].endswith(vllm["lines"][1]), record
 
 
+# Ray's GcsClient with no token at all (no RAY_AUTH_TOKEN_PATH, no ~/.ray/auth_token): it must be refused.
+GCS_WITHOUT_TOKEN = (
+    "from ray._raylet import GcsClient\n"
+    "import sys\n"
+    "try:\n"
+    "    GcsClient(address=sys.argv[1]).internal_kv_keys(b'', None, timeout=10)\n"
+    "except Exception as exc:\n"
+    "    print('REFUSED', type(exc).__name__, str(exc)[:160])\n"
+    "else:\n"
+    "    print('ANSWERED')\n"
+)
+# Listening TCP sockets of the node's network namespace (the container shares the host's): "ADDR PORT" lines.
+LISTENERS = (
+    "for f in ('/proc/net/tcp',):\n"
+    "    for line in open(f).readlines()[1:]:\n"
+    "        p = line.split()\n"
+    "        if p[3] == '0A':\n"
+    "            a, port = p[1].split(':')\n"
+    "            print('.'.join(str(int(a[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16))\n"
+)
+
+
+def test_ray_asks_every_process_for_the_clusters_token() -> None:
+    token = node().file("/etc/hy3spark/ray-token")
+    assert (token.mode, token.user) == (0o600, "root")
+    secret = node().check_output("cat /etc/hy3spark/ray-token").strip()
+    assert len(secret) == 64
+    out = node().check_output("docker exec %s env -u RAY_AUTH_TOKEN_PATH -u RAY_AUTH_MODE python3 -c %s %s",
+                              CONTAINER, GCS_WITHOUT_TOKEN, f"{IP}:6379")
+    assert out.startswith("REFUSED AuthenticationError"), out
+    # The token is in no process's command line or environment but in the file, and not in docker inspect.
+    assert secret not in node().check_output(f"docker inspect {CONTAINER}")
+    assert secret not in node().check_output("ps -eo args")
+    found = node().run(f"grep -rlsF {secret} /proc/[0-9]*/environ")
+    assert found.stdout.strip() == "", found.stdout
+
+
+def test_every_listening_port_is_in_the_rendered_table() -> None:
+    """What the node listens on (host network: Ray and the engine double) against files/<node>/etc/hy3spark/ports.txt;
+    127.0.0.11 (Docker's DNS in the test container) and sshd are the test node's own."""
+    table = (RENDERED / "files" / NODE / "etc/hy3spark/ports.txt").read_text()
+    ranges = []
+    for line in table.splitlines():
+        if line and not line.startswith("#"):
+            span, _, bind, *_ = line.split()
+            first, _, last = span.removesuffix("/tcp").partition("-")
+            ranges.append((int(first), int(last or first), bind))
+    stray = []
+    for line in node().check_output("python3 -c %s", LISTENERS).splitlines():
+        addr, port = line.split()
+        if addr.startswith("127.0.0.") and addr != "127.0.0.1":
+            continue  # Docker's embedded DNS of the test network
+        match = [r for r in ranges if r[0] <= int(port) <= r[1]]
+        if not match or (match[0][2] != "0.0.0.0" and addr not in {match[0][2], "127.0.0.1"}):
+            stray.append(f"{addr}:{port}")
+    assert not stray, f"listening but not in ports.txt as bound: {stray}\n{table}"
+
+
+def test_rotating_the_token_restarts_ray_with_the_new_one() -> None:
+    old = node().check_output("cat /etc/hy3spark/ray-token").strip()
+    result = playbook(str(SCENARIO / "converge.yml"), "-e", "hy3spark_rotate_ray_token=true")
+    assert result.returncode == 0, result.stdout + result.stderr
+    new = node().check_output("cat /etc/hy3spark/ray-token").strip()
+    assert new != old and len(new) == 64
+    assert old not in result.stdout + result.stderr and new not in result.stdout + result.stderr
+    test_ray_reports_one_node_and_one_gpu()
+    test_serves_with_tensor_parallel_one()
+
+
 def test_fault_pinned_ray_version_differs() -> None:
     result = playbook(str(REPO / "playbooks/ray.yml"), "-e", "ray_head_ray_version=2.49.0",
                       "-e", '{"ray_head_ulimits": ["memlock:8388608:8388608", "stack:67108864:67108864"]}')
