@@ -4,6 +4,7 @@ The role itself runs in molecule/site (re-run in sync, forced full run, a hand e
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -131,6 +132,9 @@ exit "$(cat "$key.rc")"
 
 IFACE, UNIT, REF, CONTAINER = "enp1s0f1np1", "earlyoom", "hy3spark/engine:cli", "hy3-head"
 ENGINE = "vllm serve /models/hy3 --port 8000"
+TABLE = "inet hy3spark"
+NFT_LISTING = ("table inet hy3spark {\n\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n"
+               "\t\ttcp dport 6379 reject with tcp reset\n\t}\n}\n")
 INPUTS = "0" * 64
 NOBODY = 65534  # a uid and gid nothing here runs as
 
@@ -156,7 +160,7 @@ class World:
         self.user_paths = [os.path.relpath(p, self.user.pw_dir) for p in (self.ssh, self.ssh / "authorized_keys")]
         bin_dir = root / "bin"
         bin_dir.mkdir()
-        for tool in ("docker", "systemctl", "ip", "ps"):
+        for tool in ("docker", "systemctl", "ip", "ps", "nft"):
             (bin_dir / tool).write_text(TOOL)
             (bin_dir / tool).chmod(0o755)
         self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
@@ -172,6 +176,7 @@ class World:
                              "MainPID": self.start_unit(["-m", "4", "-s", "100"])}},
             "links": {IFACE: {"ifname": IFACE, "mtu": 9000, "operstate": "UP", "addr_info": [
                 {"family": "inet", "local": "10.0.0.2", "prefixlen": 24, "scope": "global"}]}},
+            "nft": {TABLE: NFT_LISTING},
         }
 
     def start_unit(self, args: list[str]) -> int:
@@ -191,6 +196,7 @@ class World:
             "containers": [CONTAINER],
             "processes": [{"container": CONTAINER, "match": ENGINE}],
             "models": [str(self.hub)],
+            "nft_tables": [TABLE],
         }
 
     def answers(self) -> dict[tuple[str, ...], tuple[int, str]]:
@@ -211,6 +217,8 @@ class World:
             ("systemctl", "show", UNIT, "--property", "ActiveState,UnitFileState,MainPID"):
                 (0, "".join(f"{key}={unit[key]}\n" for key in ("ActiveState", "UnitFileState", "MainPID"))),
             ("ip", "-j", "addr", "show", "dev", IFACE): (0, json.dumps([link])) if link else (1, ""),
+            ("nft", "list", "table", *TABLE.split()):
+                (0, d["nft"][TABLE]) if TABLE in d["nft"] else (1, ""),
             ("ps", "-eo", "pid,lstart,args"):
                 (0, "".join(f"{row}\n" for row in ["    PID                  STARTED COMMAND", *d["ps"]]))
                 if "ps" in d else (1, ""),
@@ -315,6 +323,10 @@ CHANGES: dict[str, tuple[Callable[[World], object], list[str]]] = {
     "interfaces-mtu": (lambda w: w.data["links"][IFACE].update(mtu=1500), [f"interfaces {IFACE} (mtu)"]),
     "interfaces-missing": (lambda w: w.data["links"].pop(IFACE), [f"interfaces {IFACE} (missing)"]),
     "interfaces-kernel-addresses": (add_addresses, []),
+    # nft_tables: the live table as nft lists it (flushed by hand, deleted, edited)
+    "nft_tables-flushed": (lambda w: w.data["nft"].update({TABLE: "table inet hy3spark {\n}\n"}),
+                           [f"nft_tables {TABLE} (sha256)"]),
+    "nft_tables-missing": (lambda w: w.data["nft"].pop(TABLE), [f"nft_tables {TABLE} (missing)"]),
     # units: active and enabled state, the running process's argv
     "units-stopped": (unit_stopped, [f"units {UNIT} (active, argv)"]),
     "units-disabled": (lambda w: w.data["units"][UNIT].update(UnitFileState="disabled"), [f"units {UNIT} (enabled)"]),
@@ -372,8 +384,9 @@ def test_each_watched_kind_of_change_is_named(drift: ModuleType, world: World, c
 def test_every_watched_kind_is_observed(drift: ModuleType, world: World) -> None:
     """What the record holds for each kind (the fields the cases above change)."""
     state = world.observe(drift)
-    assert sorted(state) == ["containers", "files", "images", "interfaces", "models", "processes", "trees", "units",
-                             "user_files"]
+    assert sorted(state) == ["containers", "files", "images", "interfaces", "models", "nft_tables", "processes",
+                             "trees", "units", "user_files"]
+    assert state["nft_tables"] == {TABLE: {"sha256": hashlib.sha256(NFT_LISTING.encode()).hexdigest()}}
     uid, gid = os.getuid(), os.getgid()
     assert set(state["files"][str(world.netplan)]) == {"mode", "uid", "gid", "sha256"}
     assert state["user_files"][world.user_paths[0]] == {"mode": "0700", "uid": uid, "gid": gid, "type": "dir"}
@@ -563,7 +576,8 @@ def test_a_unit_whose_main_process_just_exited_is_observed_without_its_argv(drif
 # What docker and ip show; and the observation when neither can show anything (a missing or killed tool).
 TOOL_WATCH = {"interfaces": [IFACE], "images": [REF], "containers": [CONTAINER],
               "processes": [{"container": CONTAINER, "match": ENGINE}]}
-TOOLS_SHOW_NOTHING = {"files": {}, "trees": {}, "units": {}, "models": {}, "interfaces": {IFACE: "missing"},
+TOOLS_SHOW_NOTHING = {"files": {}, "trees": {}, "units": {}, "models": {}, "nft_tables": {},
+                      "interfaces": {IFACE: "missing"},
                       "images": {REF: "missing"}, "containers": {CONTAINER: "missing"},
                       "processes": {CONTAINER: "container not running"}}
 
@@ -585,7 +599,7 @@ def test_a_hung_docker_is_named_missing_not_waited_for(drift: ModuleType, world:
     monkeypatch.setattr(drift.subprocess, "run", lambda argv, **kw: real_run(argv, **{**kw, "timeout": 0.5}))
     monkeypatch.setenv("PATH", world.path)
     assert drift.observe({"images": [REF], "containers": [CONTAINER]}) == {
-        "files": {}, "trees": {}, "units": {}, "models": {}, "interfaces": {}, "processes": {},
+        "files": {}, "trees": {}, "units": {}, "models": {}, "nft_tables": {}, "interfaces": {}, "processes": {},
         "images": {REF: "missing"}, "containers": {CONTAINER: "missing"}}
 
 

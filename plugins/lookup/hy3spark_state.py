@@ -1,7 +1,8 @@
 """hy3spark_state: what the collection's roles manage on the node at hand, gathered from each role's declaration.
 
 Each role says what it manages in one file, `roles/<role>/meta/state.yml` (files, directory trees, the deploying
-user's SSH files, interfaces, units, images, containers, processes, models, the health URL, and what it manages but
+user's SSH files, interfaces, units, images, containers, processes, models, nftables tables, the health URL, and
+what it manages but
 leaves uncompared, with why). The drift role observes exactly that on every node: it restates no role's paths, and a
 new role is watched as soon as it declares its state. tests/test_role_state.py fails when a role's tasks manage a
 file, directory, container or unit that its declaration does not list.
@@ -27,7 +28,8 @@ description:
   - Templates every role's C(meta/state.yml) of the collection this plugin lives in (or only the roles named as
     terms) against the role's defaults and the host's variables, and merges them into one watch for the
     hy3spark_drift module.
-  - List kinds (files, trees, user_files, interfaces, units, images, containers, processes, models, unwatched) are
+  - List kinds (files, trees, user_files, interfaces, units, images, containers, processes, models, nft_tables,
+    unwatched) are
     concatenated in role order without repeats; health is the one non-empty URL.
   - A declaration with an unknown kind, or a kind of the wrong type, fails naming the role and the kind.
 options:
@@ -66,6 +68,7 @@ LISTS = (
     "containers",
     "processes",
     "models",
+    "nft_tables",
     "unwatched",
 )
 KINDS = (*LISTS, "health")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -28,13 +29,13 @@ description:
   - Observes what site.yml manages on the node (files and directory trees by SHA-256, mode and owner; the fabric
     interfaces' addresses and MTU; systemd units' state and running argv; image IDs; Ray containers' IDs and
     start times; the engine's processes, in its container or on the host; the model's hub cache entries by size,
-    mtime, mode and owner).
+    mtime, mode and owner; nftables tables by the SHA-256 of what C(nft list table) prints).
   - C(state=compared) compares that with the record and the expected inputs hash; C(state=recorded) writes the
     record (mode 0600) when it differs.
 options:
   watch:
     description: What to observe (keys files, trees, user_files, interfaces, units, images, containers, processes,
-      models, health).
+      models, nft_tables ("FAMILY NAME", for example "inet hy3spark"), health).
     type: dict
     required: true
   record:
@@ -221,6 +222,14 @@ def process_key(spec: dict) -> str:
     return f"host {spec['unit']}" if spec.get("unit") else "host"
 
 
+def nft_table_state(table: str) -> object:
+    """A table as `nft list table FAMILY NAME` prints it (its rules and sets, no handles or counters), by hash: one
+    flushed, deleted or edited by hand differs. "missing" when nft has no such table (or there is no nft)."""
+    # Ansible's PATH for a module may lack the sbin directories nft lives in.
+    rc, out = run([shutil.which("nft") or "/usr/sbin/nft", "list", "table", *table.split()])
+    return {"sha256": hashlib.sha256(out.encode()).hexdigest()} if rc == 0 else "missing"
+
+
 def health(url: str) -> object:
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -240,6 +249,7 @@ OBSERVERS = {
     "images": image_state,
     "containers": container_state,
     "models": model_state,
+    "nft_tables": nft_table_state,
 }
 
 

@@ -76,6 +76,7 @@ SYSTEMD_NODE_PACKAGES = (
     "procps",
     "less",
     "python3-venv",  # model_sync: the head's huggingface_hub venv (ansible.builtin.pip, python3 -m venv)
+    "nftables",  # roles/firewall: nft loads hy3spark's table (the role installs it on a node that lacks it)
 )
 
 SYSTEMD_NODE_SETUP = """\
