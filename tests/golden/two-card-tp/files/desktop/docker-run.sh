@@ -2,4 +2,4 @@
 # Managed by hy3spark from the cluster spec; edit the spec and re-render instead of this file.
 # What the head role starts on desktop, as one docker run line.
 # /dev/infiniband is passed only where it exists.
-docker run -d --name qwen32-head --network host --ipc host --gpus all --ulimit memlock=-1 --ulimit stack=67108864 --device /dev/infiniband --env-file /etc/hy3spark/node.env -v /var/lib/hy3spark/hub:/var/lib/hy3spark/hub -v /etc/hy3spark:/etc/hy3spark:ro -v /var/log/hy3spark:/var/log/hy3spark --label io.hy3spark.cluster=two-card-tp --label io.hy3spark.role=head vllm/vllm-openai:v0.23.0 sleep infinity
+docker run -d --name qwen32-head --network host --ipc host --init --gpus all --ulimit memlock=-1 --ulimit stack=67108864 --device /dev/infiniband --env-file /etc/hy3spark/node.env -v /var/lib/hy3spark/hub:/var/lib/hy3spark/hub -v /etc/hy3spark:/etc/hy3spark:ro -v /var/log/hy3spark:/var/log/hy3spark --label io.hy3spark.cluster=two-card-tp --label io.hy3spark.role=head vllm/vllm-openai:v0.23.0 sleep infinity
