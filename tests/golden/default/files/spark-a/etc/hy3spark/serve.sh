@@ -6,16 +6,17 @@
 # Or on the host, from an operator's engine venv (one node, no container): there a transient systemd unit runs it
 # (systemd sets INVOCATION_ID), and its own stdout is the unit's journal.
 set -euo pipefail
-if [ -r /etc/hy3spark/secrets.env ]; then
-  # Secrets reach the engine's environment from a 0600 file, never its command line.
-  set -a
-  . /etc/hy3spark/secrets.env
-  set +a
-fi
 if [ -n "${INVOCATION_ID:-}" ]; then
   exec > >(tee -a /var/log/hy3spark/serve.log) 2>&1
 else
   exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
+fi
+if [ -r /etc/hy3spark/secrets.env ]; then
+  # Secrets reach the engine's environment from a 0600 file, never its command line; after the log's tee has
+  # started, so that only the engine holds them.
+  set -a
+  . /etc/hy3spark/secrets.env
+  set +a
 fi
 echo 'hy3spark: starting vllm for hy3-pair (spec fadf3c825a7c)'
 exec vllm serve kodelow/Hy3-NVFP4-W4A16 --revision main --served-model-name hy3 --port 8888 --tensor-parallel-size 2 --distributed-executor-backend ray --max-model-len 131072 --max-num-seqs 6 --max-num-batched-tokens 2048 --kv-cache-dtype fp8_e4m3 --gpu-memory-utilization 0.90 --speculative-config '{"method":"mtp","num_speculative_tokens":1}' --tool-call-parser hy_v3 --reasoning-parser hy_v3 --enable-auto-tool-choice --trust-remote-code --enforce-eager

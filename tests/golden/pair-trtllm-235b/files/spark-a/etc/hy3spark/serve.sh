@@ -6,16 +6,17 @@
 # Or on the host, from an operator's engine venv (one node, no container): there a transient systemd unit runs it
 # (systemd sets INVOCATION_ID), and its own stdout is the unit's journal.
 set -euo pipefail
-if [ -r /etc/hy3spark/secrets.env ]; then
-  # Secrets reach the engine's environment from a 0600 file, never its command line.
-  set -a
-  . /etc/hy3spark/secrets.env
-  set +a
-fi
 if [ -n "${INVOCATION_ID:-}" ]; then
   exec > >(tee -a /var/log/hy3spark/serve.log) 2>&1
 else
   exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
+fi
+if [ -r /etc/hy3spark/secrets.env ]; then
+  # Secrets reach the engine's environment from a 0600 file, never its command line; after the log's tee has
+  # started, so that only the engine holds them.
+  set -a
+  . /etc/hy3spark/secrets.env
+  set +a
 fi
 echo 'hy3spark: starting trtllm for pair-trtllm (spec 959e8e509af8)'
 # The API front checks the key in front of an engine that checks none: it answers on the API port, the engine

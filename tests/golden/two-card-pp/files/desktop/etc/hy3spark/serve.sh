@@ -6,16 +6,17 @@
 # Or on the host, from an operator's engine venv (one node, no container): there a transient systemd unit runs it
 # (systemd sets INVOCATION_ID), and its own stdout is the unit's journal.
 set -euo pipefail
-if [ -r /etc/hy3spark/secrets.env ]; then
-  # Secrets reach the engine's environment from a 0600 file, never its command line.
-  set -a
-  . /etc/hy3spark/secrets.env
-  set +a
-fi
 if [ -n "${INVOCATION_ID:-}" ]; then
   exec > >(tee -a /var/log/hy3spark/serve.log) 2>&1
 else
   exec > >(tee -a /var/log/hy3spark/serve.log > /proc/1/fd/1) 2>&1
+fi
+if [ -r /etc/hy3spark/secrets.env ]; then
+  # Secrets reach the engine's environment from a 0600 file, never its command line; after the log's tee has
+  # started, so that only the engine holds them.
+  set -a
+  . /etc/hy3spark/secrets.env
+  set +a
 fi
 echo 'hy3spark: starting vllm for two-card-pp (spec b79fa2a6dcb2)'
 exec vllm serve Qwen/Qwen3-32B-AWQ --revision main --served-model-name qwen3-32b --host 127.0.0.1 --port 8888 --tensor-parallel-size 1 --pipeline-parallel-size 2 --distributed-executor-backend mp --max-model-len 32768 --max-num-seqs 2 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.90 --tool-call-parser hermes --reasoning-parser qwen3 --enable-auto-tool-choice
