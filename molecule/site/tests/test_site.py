@@ -476,8 +476,11 @@ def test_the_installed_wheel_up_finds_the_cluster_in_sync(wheel: Installed) -> N
     for key in ("ANSIBLE_CONFIG", "ANSIBLE_ROLES_PATH"):
         assert command["env"][key].startswith(f"{shipped}/"), command["env"]
     assert str(REPO) not in json.dumps(command), command
-    assert API_KEY not in out
-    leaks = [str(p) for p in wheel.home.rglob("*") if p.is_file() and API_KEY.encode() in p.read_bytes()]
+    # Neither the API key nor the cluster's Ray token in the output, ansible-runner's artifacts or the run records.
+    ray_token = node(HEAD).check_output("cat /etc/hy3spark/ray-token").strip()
+    assert API_KEY not in out and ray_token not in out
+    leaks = [str(p) for p in wheel.home.rglob("*") if p.is_file()
+             and (API_KEY.encode() in p.read_bytes() or ray_token.encode() in p.read_bytes())]
     assert leaks == []
     test_idempotent_run_left_the_engine_and_containers_alone()
 
