@@ -13,7 +13,7 @@ from pathlib import Path
 
 import scenario
 import testinfra
-from scenario import RAY_NODES, REPO, playbook, recap
+from scenario import RAY_NODES, REPO, flat, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
 NODE, IP, CONTAINER, SERVED = "ray-single", "10.95.2.11", "gptoss-head", "gpt-oss-120b"
@@ -128,6 +128,30 @@ def test_rotating_the_token_restarts_ray_with_the_new_one() -> None:
     assert old not in result.stdout + result.stderr and new not in result.stdout + result.stderr
     test_ray_reports_one_node_and_one_gpu()
     test_serves_with_tensor_parallel_one()
+
+
+def test_fault_ray_without_token_auth_is_refused_before_it_starts() -> None:
+    """The image's Ray read before the container starts: one older than the first with token auth would ignore
+    RAY_AUTH_MODE and run open. The real image's 2.60 is made "old" by raising the bar (ray_node_min_token_ray)."""
+    before = node().check_output("docker inspect -f '{{.State.StartedAt}}' %s", CONTAINER)
+    result = playbook(str(REPO / "playbooks/ray.yml"), "-e", "ray_node_min_token_ray=99.0",
+                      "-e", '{"ray_head_ulimits": ["memlock:8388608:8388608", "stack:67108864:67108864"]}')
+    out = flat(result.stdout + result.stderr)
+    assert result.returncode != 0, out
+    assert re.search(r"ray-single: the image \S+ has Ray 2\.60\.\d+, which has no token authentication \(Ray 99\.0 "
+                     r"and later have it\)", out), out
+    assert "or set ray.auth: off in the spec to accept that risk" in out
+    assert node().check_output("docker inspect -f '{{.State.StartedAt}}' %s", CONTAINER) == before
+
+
+def test_node_container_reaps_its_children() -> None:
+    """Docker's init is PID 1 (tini), so what the engine leaves behind is reaped, not kept as a zombie."""
+    info = json.loads(node().check_output(f"docker inspect {CONTAINER}"))[0]
+    assert info["HostConfig"]["Init"] is True
+    assert node().check_output("docker exec %s cat /proc/1/comm", CONTAINER).strip() in {"docker-init", "tini"}
+    zombies = node().check_output("docker exec %s sh -c %s", CONTAINER,
+                                  "grep -l '^State:.*Z' /proc/[0-9]*/status || true")
+    assert zombies.strip() == "", zombies
 
 
 def test_fault_pinned_ray_version_differs() -> None:
