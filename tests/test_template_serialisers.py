@@ -307,8 +307,8 @@ def test_the_nft_serialisers_pass_addresses_and_names_and_refuse_the_rest() -> N
                                                                                           "2001:db8::/32"]
     assert FILTERS.nft_name("enP2p1s0f1np1", "iface") == "enP2p1s0f1np1"
     for bad in ("10.0.0.1 } accept", "10.0.0.1/8", "10.0.0.0/24\ndrop", "any", 7):
-        with pytest.raises(FILTERS.UnsafeValue, match="^peer: "):
+        with pytest.raises(FILTERS.UnsafeValue, match=r"^peer: "):
             FILTERS.nft_address(bad, "peer")
     for bad in ('eth0" accept', "eth*", "-x", "a b", "eth0;drop", "", "a\\b"):
-        with pytest.raises(FILTERS.UnsafeValue, match="^iface: "):
+        with pytest.raises(FILTERS.UnsafeValue, match=r"^iface: "):
             FILTERS.nft_name(bad, "iface")
