@@ -397,9 +397,9 @@ def test_up_deploys_and_records_the_run(cluster: Cluster) -> None:
     assert list(record["phases_s"]) == [
         "Compare every node with its last complete run", "Preflight every node before changing anything",
         "Configure the fabric and SSH between the nodes",
-        "Check the fabric end to end", "Reconcile earlyoom with the spec's policy",
-        "Distribute the engine image and the model", "Start the Ray head", "Join the Ray workers", "Serve the model",
-        "Record the deployment, or check the endpoint"]
+        "Check the fabric end to end", "Fence the cluster-internal ports with hy3spark's firewall table",
+        "Reconcile earlyoom with the spec's policy", "Distribute the engine image and the model", "Start the Ray head",
+        "Join the Ray workers", "Serve the model", "Record the deployment, or check the endpoint"]
     assert all(t > 0 for t in record["phases_s"].values())
     assert sum(record["phases_s"].values()) <= record["duration_s"] + 1
 
