@@ -29,6 +29,19 @@ RAY_NODES = (
     "print(json.dumps([[n['NodeManagerAddress'], n['Resources'].get('GPU', 0)] for n in alive]))\n"
 )
 
+# Run inside a Ray container with the token's variables unset (and no ~/.ray/auth_token): Ray's GcsClient asks the
+# GCS at argv[1] for its keys; the last line is `REFUSED <exception type>` or `ANSWERED`.
+GCS_WITHOUT_TOKEN = (
+    "from ray._raylet import GcsClient\n"
+    "import sys\n"
+    "try:\n"
+    "    GcsClient(address=sys.argv[1]).internal_kv_keys(b'', None, timeout=10)\n"
+    "except Exception as exc:\n"
+    "    print('REFUSED', type(exc).__name__)\n"
+    "else:\n"
+    "    print('ANSWERED')\n"
+)
+
 _CALL = (
     "import json, sys, urllib.request, urllib.error\n"
     "auth = {'Authorization': 'Bearer ' + sys.argv[3]} if sys.argv[3] else {}\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import scenario
 import testinfra
-from scenario import RAY_NODES, REPO, flat, playbook, recap
+from scenario import GCS_WITHOUT_TOKEN, RAY_NODES, REPO, flat, playbook, recap
 
 SCENARIO = Path(__file__).resolve().parent.parent
 NODE, IP, CONTAINER, SERVED = "ray-single", "10.95.2.11", "gptoss-head", "gpt-oss-120b"
@@ -60,17 +60,6 @@ def test_serves_with_tensor_parallel_one() -> None:
     assert record["max_concurrency_line"].endswith(vllm["lines"][1]), record
 
 
-# Ray's GcsClient with no token at all (no RAY_AUTH_TOKEN_PATH, no ~/.ray/auth_token): it must be refused.
-GCS_WITHOUT_TOKEN = (
-    "from ray._raylet import GcsClient\n"
-    "import sys\n"
-    "try:\n"
-    "    GcsClient(address=sys.argv[1]).internal_kv_keys(b'', None, timeout=10)\n"
-    "except Exception as exc:\n"
-    "    print('REFUSED', type(exc).__name__, str(exc)[:160])\n"
-    "else:\n"
-    "    print('ANSWERED')\n"
-)
 # Listening TCP sockets of the node's network namespace (the container shares the host's): "ADDR PORT" lines.
 LISTENERS = (
     "for f in ('/proc/net/tcp',):\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import scenario
-from scenario import node, playbook
+from scenario import GCS_WITHOUT_TOKEN, node, playbook
 
 SCENARIO = Path(__file__).resolve().parent.parent
 HEAD, WORKER = "site-head", "site-worker"
@@ -72,16 +72,6 @@ except urllib.error.HTTPError as exc:
     print(exc.code)
 """
 
-GCS_WITHOUT_TOKEN = (
-    "from ray._raylet import GcsClient\n"
-    "import sys\n"
-    "try:\n"
-    "    GcsClient(address=sys.argv[1]).internal_kv_keys(b'', None, timeout=10)\n"
-    "except Exception as exc:\n"
-    "    print('REFUSED', type(exc).__name__)\n"
-    "else:\n"
-    "    print('ANSWERED')\n"
-)
 
 
 def mgmt_ip(name: str) -> str:
