@@ -5,6 +5,7 @@ engineers run the suite on the same machine, and the network takes the first fre
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,14 @@ import pytest
 
 def docker(*args: str, check: bool = True, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=timeout, **kwargs)
+
+
+def require_docker_as_root(why_root: str) -> None:
+    """Skip (with the reason) a test that needs a Docker engine and root; the full run counts a skip as a failure."""
+    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
+        pytest.skip("needs a Docker engine")
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root ({why_root})")
 
 
 def remove_leftovers(prefix: str, label: str) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "engine_double"
 sys.path.insert(0, str(DOUBLE))
 import docker_runs  # noqa: E402
-from docker_runs import docker  # noqa: E402
+from docker_runs import docker, require_docker_as_root  # noqa: E402
 from make_model import make_model  # noqa: E402
 from test_operator_cli import SPEC as OPERATOR_CLI_SPEC  # noqa: E402
 
@@ -153,10 +152,7 @@ def start_ray(image: str, tmp: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
-        pytest.skip("needs a Docker engine")
-    if os.geteuid() != 0:
-        pytest.skip("needs root (the image build runs debootstrap)")
+    require_docker_as_root("the image build runs debootstrap")
     built = subprocess.run([str(DOUBLE / "build-image")], capture_output=True, text=True, timeout=1500, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
     image = built.stdout.strip().splitlines()[-1]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from docker_runs import docker
+from docker_runs import docker, require_docker_as_root
 
 from hy3spark.render import render_all
 from hy3spark.spec import parse_spec
@@ -123,10 +123,7 @@ def _cleanup() -> None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
-        pytest.skip("needs a Docker engine")
-    if os.geteuid() != 0:
-        pytest.skip("needs root (nsenter into the node container's network namespace)")
+    require_docker_as_root("nsenter into the node container's network namespace")
     if shutil.which("nsenter") is None or not os.access(NFT, os.X_OK):
         pytest.skip("needs nsenter and nft on the host (scripts/ensure-docker installs nftables)")
     image = node_image()

@@ -36,7 +36,7 @@ SRC = DOUBLE / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(REPO / "tests" / "engine_double"))
 import docker_runs  # noqa: E402
-from docker_runs import docker  # noqa: E402
+from docker_runs import docker, require_docker_as_root  # noqa: E402
 from make_model import make_model  # noqa: E402
 from trtllm_double import cli, engine, options  # noqa: E402
 
@@ -335,10 +335,7 @@ def keypair(path: Path, comment: str) -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
-        pytest.skip("needs a Docker engine")
-    if os.geteuid() != 0:
-        pytest.skip("needs root (the image build runs debootstrap)")
+    require_docker_as_root("the image build runs debootstrap")
     if shutil.which("ssh-keygen") is None:
         pytest.skip("needs ssh-keygen (openssh-client) to make the cluster's keys")
     built = subprocess.run([str(DOUBLE / "build-image")], capture_output=True, text=True, timeout=900, check=False)

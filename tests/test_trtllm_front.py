@@ -36,7 +36,7 @@ DOUBLE = REPO / "tests" / "trtllm_double"
 FRONT = REPO / "roles" / "vllm_serve" / "files" / "engines" / "trtllm" / "api_front.py"
 sys.path.insert(0, str(REPO / "tests" / "engine_double"))
 import docker_runs  # noqa: E402
-from docker_runs import docker  # noqa: E402
+from docker_runs import docker, require_docker_as_root  # noqa: E402
 from make_model import make_model  # noqa: E402
 
 RUN = f"trtllm-front-{os.getpid()}"
@@ -87,10 +87,7 @@ class Head:
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
-    if shutil.which("docker") is None or docker("info", check=False).returncode != 0:
-        pytest.skip("needs a Docker engine")
-    if os.geteuid() != 0:
-        pytest.skip("needs root (the image build runs debootstrap)")
+    require_docker_as_root("the image build runs debootstrap")
     built = subprocess.run([str(DOUBLE / "build-image")], capture_output=True, text=True, timeout=900, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
     image = built.stdout.strip().splitlines()[-1]
