@@ -11,7 +11,12 @@ vllm/ray/ray_env.py).
 - env vars copied from the driver to the workers: vLLM's registered names, names with the prefixes VLLM_, LMCACHE_,
   NCCL_, UCX_, HF_, HUGGING_FACE_, plus PYTHONHASHSEED, HF_TOKEN; minus the worker-specific ones (VLLM_HOST_IP,
   VLLM_HOST_PORT, LOCAL_RANK, CUDA_VISIBLE_DEVICES) and the names listed in
-  ``$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json``.
+  ``$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json``;
+- the torch.distributed store (ray_executor.py ``_init_workers_ray``): ``tcp://<driver IP>:<get_open_port()>`` (the
+  loopback when every worker is on one node) handed to every worker; rank 0 listens there on every address, the
+  others connect (worker.py). Then each TP group whose ranks span nodes opens its broadcast queue on its writer's
+  node: the executor asks the writers for their addresses and hands them to the readers (vLLM broadcasts the
+  handle over the process group).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from vllm.double import log
+from vllm.double import log, network
 from vllm.double.worker import RayWorkerWrapper, node_ip
 
 E = log.ENGINE
@@ -113,9 +118,10 @@ def wait_until_pg_ready(ray: Any, pg: Any) -> None:
 
 
 class RayExecutor:
-    def __init__(self, world_size: int, tp: int) -> None:
+    def __init__(self, world_size: int, tp: int, distributed_timeout: float) -> None:
         self.world_size = world_size
         self.tp = tp
+        self.distributed_timeout = distributed_timeout
         self.workers: list[Any] = []
         self.pg: Any = None
         self.reports: list[dict[str, Any]] = []
@@ -216,16 +222,30 @@ class RayExecutor:
             for node_id, _gpus in node_and_gpus
         ]
         self.call("update_environment_variables", per_rank_env)
+        # One node: the loopback is enough (vLLM's comment: a node's other addresses may not reach itself). The port
+        # comes from this process's VLLM_PORT, as in vLLM's driver.
+        store_ip = "127.0.0.1" if len(node_workers) == 1 else driver_ip
+        init_method = network.tcp_uri(store_ip, network.get_open_port(E))
+        rank_nodes = [node_id for node_id, _gpus in node_and_gpus]
         kwargs = [
             {
                 "local_rank": node_workers[node_id].index(rank),
                 "world_size": self.world_size,
                 "tp": self.tp,
                 "nodes": len(node_workers),
+                "rank_nodes": rank_nodes,
+                "distributed_init_method": init_method,
+                "distributed_timeout": self.distributed_timeout,
             }
             for rank, (node_id, _gpus) in enumerate(node_and_gpus)
         ]
         self.call("init_worker", kwargs)
+
+    def init_device(self, gpu_memory_utilization: float) -> None:
+        """Every rank's init_device (the store joins there), then the TP groups' broadcast queues across nodes."""
+        self.call("init_device", gpu_memory_utilization)
+        addresses = self.call("open_broadcast_queue")
+        self.call("connect_broadcast_queue", addresses)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         import ray

@@ -19,7 +19,11 @@ torch.distributed's TCPStore does for vLLM, and waits until all ``world_size`` r
   away, as vLLM's do (they block on the head's next broadcast): restart every node together.
 
 The rendezvous is the double's own (newline-delimited JSON; the server runs in the head's executor process, torch's
-in rank 0): no torch, no NCCL traffic.
+in rank 0): no torch, no NCCL traffic. Like torch's TCPStore it listens on every address of the head, at
+``--master-port`` (one node: ``get_open_port()``, as vLLM's executor picks it). With several nodes the head also
+opens vLLM's cross-node queues (network.py): the executor's broadcast queue on ``VLLM_HOST_IP`` and a
+``get_open_port()`` port (multiproc_executor.py ``rpc_broadcast_mq``; the other nodes' ranks connect once all joined)
+and, in rank 0, the TP group's (worker.py).
 """
 
 from __future__ import annotations
@@ -38,26 +42,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm import __version__
-from vllm.double import kv, log
-from vllm.double.worker import RayWorkerWrapper, node_ip
+from vllm.double import kv, log, network
+from vllm.double.network import DistNetworkError, DistStoreError
+from vllm.double.worker import RayWorkerWrapper, log_init_method, node_ip
 
 E = log.ENGINE
 TORCH_NCCL_DEFAULT_TIMEOUT_S = 600.0  # torch.distributed's default_pg_nccl_timeout
 WORKER_FAILED = (
     "WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause."
 )
-
-
-class DistStoreError(RuntimeError):
-    pass
-
-
-class DistNetworkError(RuntimeError):
-    pass
-
-
-# Tracebacks name them as torch does (torch.distributed.DistStoreError: ...).
-DistStoreError.__module__ = DistNetworkError.__module__ = "torch.distributed"
 
 
 def distributed_timeout(args: Any) -> float:
@@ -156,25 +149,11 @@ def _process_name(rank: int, layout: Layout) -> str:
     return name
 
 
-def _connect(layout: Layout, deadline: float) -> socket.socket:
-    while True:
-        try:
-            return socket.create_connection((layout.master_addr, layout.master_port), timeout=2)
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise DistNetworkError(
-                    f"The client socket has timed out after {int(layout.timeout * 1000)}ms while trying to connect "
-                    f"to ({layout.master_addr}, {layout.master_port})."
-                ) from None
-            time.sleep(0.2)
-
-
-def _rendezvous(job: WorkerJob, rank: int) -> tuple[socket.socket, Lines]:
-    """init_process_group(tcp://master): join, then wait until every rank has joined (or the store times out)."""
+def _rendezvous(job: WorkerJob, rank: int) -> tuple[socket.socket, Lines, str | None]:
+    """init_process_group(tcp://master): join, then wait until every rank has joined (or the store times out). Also
+    returns the address of the executor's broadcast queue (None on one node)."""
     layout = job.layout
-    deadline = time.monotonic() + layout.timeout
-    sock = _connect(layout, deadline)
-    sock.settimeout(None)
+    sock = network.connect(layout.master_addr, layout.master_port, layout.timeout)
     lines = Lines(sock)
     send(sock, {"op": "join", "rank": rank, "world_size": layout.world_size, "node_rank": layout.node_rank,
                 "host": socket.gethostname(), "ip": node_ip(), "pid": os.getpid()})  # fmt: skip
@@ -189,7 +168,7 @@ def _rendezvous(job: WorkerJob, rank: int) -> tuple[socket.socket, Lines]:
     if answer["op"] == "reject":
         raise RuntimeError(f"hy3spark TEST DOUBLE: the head at {layout.master_addr}:{layout.master_port} refused "
                            f"rank {rank}: {answer['reason']}")  # fmt: skip
-    return sock, lines
+    return sock, lines, answer.get("queue")
 
 
 def worker_main(job: WorkerJob, ready_pipe: Any, death_pipe: Any, inherited: list[Any]) -> None:
@@ -206,18 +185,17 @@ def worker_main(job: WorkerJob, ready_pipe: Any, death_pipe: Any, inherited: lis
     threading.Thread(target=parent_gone, daemon=True).start()
     _decorate("Worker")
     try:
-        init_method = f"tcp://{layout.master_addr}:{layout.master_port}"
-        log.info(
-            "parallel_state.py:1575",
-            f"world_size={layout.world_size} rank={rank} local_rank={job.local_rank} "
-            f"distributed_init_method={init_method} backend=nccl",
-            tag=None,
-        )
-        sock, lines = _rendezvous(job, rank)
+        init_method = network.tcp_uri(layout.master_addr, layout.master_port)
+        log_init_method(layout.world_size, rank, job.local_rank, init_method)
+        sock, lines, queue = _rendezvous(job, rank)
         _decorate(_process_name(rank, layout))
         worker = NativeWorker(rank)
+        rank_nodes = [str(r // layout.local_world_size) for r in range(layout.world_size)]
         worker.init_worker([{"local_rank": job.local_rank, "world_size": layout.world_size, "tp": layout.tp,
-                             "nodes": layout.nnodes}] * (rank + 1))  # fmt: skip
+                             "nodes": layout.nnodes, "rank_nodes": rank_nodes,
+                             "distributed_timeout": layout.timeout}] * (rank + 1))  # fmt: skip
+        if queue is not None and layout.node_rank > 0:  # the head's ranks read it through shared memory in vLLM
+            worker.connections.append(network.connect_queue(queue, layout.timeout, rank))
         gpus = int(float(os.environ.get("VLLM_DOUBLE_LOCAL_GPUS", "").strip() or 1))
         if job.local_rank >= gpus:
             raise RuntimeError(
@@ -266,6 +244,7 @@ class NativeWorker(RayWorkerWrapper):
             "pid": os.getpid(),
             "nccl_transport": nccl.transport(socket.gethostname(), node_ip()) if self.world_size > 1 else None,
             "model_path": getattr(self, "model_path", None),
+            "listening": self.listening(),
             "env": env,
             "secret_env_names": [k for k in SECRET_ENV if k in os.environ],
         }
@@ -283,22 +262,14 @@ class _Local:
 
 
 class Rendezvous:
-    """The head's store: accepts the ranks, answers them all once ``world_size`` joined (or the timeout passed)."""
+    """The head's store: accepts the ranks, answers them all once ``world_size`` joined (or the timeout passed), with
+    the address of the executor's broadcast queue when there is one."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, queue: str | None) -> None:
         self.layout = layout
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.server.bind((layout.master_addr, layout.master_port))
-        except OSError as err:
-            self.server.close()
-            raise DistNetworkError(
-                "The server socket has failed to listen on any local network address. port: "
-                f"{layout.master_port}, useIpv6: false, code: -{err.errno}, name: {err.strerror}"
-            ) from None
+        self.queue = queue
+        self.server = network.store_socket(layout.master_port)
         self.port = self.server.getsockname()[1]
-        self.server.listen(64)
         self.ranks: dict[int, tuple[socket.socket, Lines, dict[str, Any]]] = {}
         self.lock = threading.Lock()
         self.all_joined = threading.Event()
@@ -333,7 +304,7 @@ class Rendezvous:
             self.ranks[rank] = (conn, lines, hello)
             if len(self.ranks) == self.layout.world_size:
                 for other, _lines, _hello in self.ranks.values():
-                    send(other, {"op": "start"})
+                    send(other, {"op": "start", "queue": self.queue})
                 self.all_joined.set()
 
     def wait(self) -> bool:
@@ -369,18 +340,27 @@ class NativeExecutor:
         self.shutting_down = False
         self.head = layout.node_rank == 0
         self.store: Rendezvous | None = None
+        self.queue: network.Listener | None = None
         if self.head:
-            if layout.nnodes == 1:  # vLLM: the loopback address and a free port
-                layout.master_addr, layout.master_port = "127.0.0.1", 0
-            self.store = Rendezvous(layout)
-            layout.master_port = self.store.port
+            if layout.nnodes == 1:  # vLLM: get_distributed_init_method(get_loopback_ip(), get_open_port())
+                layout.master_addr, layout.master_port = "127.0.0.1", network.get_open_port(E)
+            ip = node_ip()
             log.info(
                 "multiproc_executor.py:140",
                 f"DP group leader: node_rank={layout.node_rank}, node_rank_within_dp=0, master_addr="
-                f"{layout.master_addr}, mq_connect_ip={node_ip()} (local), world_size={layout.world_size}, "
+                f"{layout.master_addr}, mq_connect_ip={ip} (local), world_size={layout.world_size}, "
                 f"local_world_size={layout.local_world_size}",
                 E,
             )
+            queue = None
+            try:
+                if layout.nnodes > 1:  # the broadcast queue to the other nodes' ranks, before any worker starts
+                    self.queue = network.Listener(network.listening_socket(ip, network.get_open_port(E)))
+                    queue = network.tcp_uri(ip, self.queue.port)
+                self.store = Rendezvous(layout, queue)
+            except BaseException:
+                self.shutdown()
+                raise
         context = multiprocessing.get_context("fork")
         inherited: list[Any] = []  # the parent's pipe ends every later fork copies (vLLM's inherited_fds)
         for local_rank in range(layout.local_world_size):
@@ -401,6 +381,8 @@ class NativeExecutor:
             self.locals.append(_Local(rank, proc, ready_reader, death_writer))
         try:
             self._wait_for_ready()
+            if self.head and layout.nnodes > 1:  # the TP groups' queues, opened while the ranks initialise in vLLM
+                self.call("connect_broadcast_queue", self.call("open_broadcast_queue"))
         except BaseException:
             self.shutdown()
             raise
@@ -524,6 +506,8 @@ class NativeExecutor:
                 local.proc.kill()
         if self.store is not None:
             self.store.close()
+        if self.queue is not None:
+            self.queue.close()
 
 
 def headless_banner(layout: Layout) -> None:

@@ -10,10 +10,11 @@ serving takes the engine down (health 503, then exit 1), as a dead Ray worker do
 
 Environment knobs (all optional; VLLM_* names are copied to the Ray workers like vLLM's own):
 ``VLLM_DOUBLE_PG_TIMEOUT_S`` (placement group wait, default 20), ``VLLM_DOUBLE_LOAD_DELAY_S`` (pretend weight
-loading, default 0), ``VLLM_DOUBLE_HEALTH_INTERVAL_S`` (worker liveness check, default 5), ``VLLM_DOUBLE_LOCAL_GPUS``
-(GPUs on this node for the mp/uni executors, default 1), ``VLLM_DOUBLE_DISTRIBUTED_TIMEOUT_S`` (the native
-launcher's rendezvous wait, default 600; native.py), ``VLLM_DOUBLE_KV_UNRECORDED`` (``skip``: a configuration
-without a recorded KV vector starts without KV lines; kv.py), plus the fake GPU (kv.py) and the delays (server.py).
+loading, default 0), ``VLLM_DOUBLE_HEALTH_INTERVAL_S`` (worker liveness check, default 5),
+``VLLM_DOUBLE_LOCAL_GPUS`` (GPUs on this node for the mp/uni executors, default 1),
+``VLLM_DOUBLE_DISTRIBUTED_TIMEOUT_S`` (torch's distributed timeout: the native launcher's rendezvous wait, a rank's
+wait for the store; default 600; native.py), ``VLLM_DOUBLE_KV_UNRECORDED`` (``skip``: a configuration without a
+recorded KV vector starts without KV lines; kv.py), plus the fake GPU (kv.py) and the delays (server.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import time
 from typing import Any
 
 from vllm import __version__
-from vllm.double import kv, log
+from vllm.double import kv, log, network
 from vllm.double.executor import RayExecutor
 from vllm.double.model import Model, resolve
 from vllm.double.native import Layout, NativeExecutor, distributed_timeout, headless_banner
 from vllm.double.server import ServerState, make_server
-from vllm.double.worker import RayWorkerWrapper
+from vllm.double.worker import RayWorkerWrapper, node_ip
 
 E = log.ENGINE
 DEFAULT_MAX_NUM_SEQS = 256
@@ -157,14 +158,23 @@ def executor_backend(args: argparse.Namespace, world_size: int) -> str:
 
 
 class LocalExecutor:
-    """The uni executor: every rank runs in this process (also what the in-process tests start)."""
+    """The uni executor: every rank runs in this process (also what the in-process tests start, with several ranks).
+    Like vLLM's (uniproc_executor.py), it hands its rank ``tcp://<get_ip()>:<get_open_port()>``, where rank 0 serves
+    the torch.distributed store on every address."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, tp: int, distributed_timeout: float) -> None:
         self.workers = [RayWorkerWrapper(rank) for rank in range(world_size)]
         self.reports: list[dict[str, Any]] = []
+        init_method = network.tcp_uri(node_ip(), network.get_open_port(E))
+        per_rank = [{"local_rank": rank, "world_size": world_size, "tp": tp, "distributed_init_method": init_method,
+                     "distributed_timeout": distributed_timeout} for rank in range(world_size)]  # fmt: skip
+        self.call("init_worker", per_rank)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         return [getattr(worker, method)(*args) for worker in self.workers]
+
+    def init_device(self, gpu_memory_utilization: float) -> None:
+        self.call("init_device", gpu_memory_utilization)
 
     def collect_reports(self) -> list[dict[str, Any]]:
         self.reports = [
@@ -174,6 +184,7 @@ class LocalExecutor:
                 "vllm_host_ip": os.environ.get("VLLM_HOST_IP"),
                 "hostname": os.uname().nodename,
                 "model_path": getattr(w, "model_path", None),
+                "listening": w.listening(),
                 "env": {},
                 "secret_env_names": [],
             }
@@ -185,7 +196,7 @@ class LocalExecutor:
         return False, None
 
     def shutdown(self) -> None:
-        pass
+        self.call("close_listeners")
 
 
 def kv_cache_report(vector: kv.Vector) -> None:
@@ -240,13 +251,12 @@ def start_engine(
         executor: Any = NativeExecutor(native_layout(args, world), native_job(args, model, memory))
     else:
         if backend == "ray":
-            executor = RayExecutor(world, tp)
+            executor = RayExecutor(world, tp, distributed_timeout(args))
             executor.initialize_cluster()
             executor.init_workers()
         else:
-            executor = LocalExecutor(world)
-            executor.call("init_worker", [{"local_rank": r, "world_size": world, "tp": tp} for r in range(world)])
-        executor.call("init_device", args.gpu_memory_utilization)
+            executor = LocalExecutor(world, tp, distributed_timeout(args))
+        executor.init_device(args.gpu_memory_utilization)
         load_started = time.monotonic()
         executor.call("load_model", model.tag, args.revision, _env_float("VLLM_DOUBLE_LOAD_DELAY_S", 0))
         executor.call("log_model_loading", memory.weights_per_rank, time.monotonic() - load_started)
