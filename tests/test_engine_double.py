@@ -50,6 +50,7 @@ HY3 = "kodelow/Hy3-NVFP4-W4A16"  # on both nodes, bare special tokens (a patched
 HY3_SUFFIXED = "kodelow/Hy3-opensource"  # Hy3's released tokenizer: <think:opensource> ... (gpt-oss's shape)
 HEAD_ONLY = "kodelow/Hy3-head-only"  # synced to the head but not to the worker
 PORT = 8888
+VLLM_PORT = 29510  # what hy3spark's node.env sets by default (serving.internal_port)
 API_KEY = "test-key-0123"
 NCCL_LOGS = "/tmp/nccl.%h.%p.log"
 
@@ -413,7 +414,8 @@ def start_double(
         config = kv.engine_config(model.config, parsed, max_len)
         kv.check_config(config)
         try:
-            _executor, vector = serve.start_engine(parsed, model, max_len, "uni", config)
+            executor, vector = serve.start_engine(parsed, model, max_len, "uni", config)
+            executor.shutdown()  # its rank 0 holds the store's port open
         finally:
             log = capsys.readouterr().out
         return log, vector
@@ -688,6 +690,8 @@ def serving(cluster: Cluster) -> Iterator[str]:
         f"VLLM_API_KEY={API_KEY}",
         "-e",
         "VLLM_DOUBLE_HEALTH_INTERVAL_S=1",
+        "-e",
+        f"VLLM_PORT={VLLM_PORT}",
         HEAD,
         "sh",
         "-c",
@@ -738,6 +742,23 @@ def test_each_rank_runs_on_its_own_node_with_its_own_env(serving: str) -> None:
     assert all(
         w["model_path"].startswith(f"{HUB}/models--kodelow--Hy3-NVFP4-W4A16/snapshots/") for w in workers.values()
     )
+
+
+def test_vllms_internal_ports_listen_where_vllm_opens_them(serving: str) -> None:
+    """VLLM_PORT set: rank 0 (on the head) serves the torch.distributed store on every address at VLLM_PORT, and its
+    TP group spans both nodes, so its broadcast queue listens on the head's own address at the next free port; the
+    worker node holds rank 1 and listens on none of them."""
+
+    def listening(node: str) -> set[str]:
+        return {line.split()[3] for line in docker("exec", node, "ss", "-ltnH").stdout.splitlines()}
+
+    assert {f"0.0.0.0:{VLLM_PORT}", f"{HEAD_IP}:{VLLM_PORT + 1}"} <= listening(HEAD)
+    assert not [a for a in listening(WORKER) if VLLM_PORT <= int(a.rsplit(":", 1)[1]) < VLLM_PORT + 8]
+    _, raw = request(serving, "/double/workers", key=None)
+    workers = {w["rank"]: w for w in json.loads(raw)["workers"]}
+    assert [workers[r]["listening"] for r in (0, 1)] == [[f"0.0.0.0:{VLLM_PORT}", f"{HEAD_IP}:{VLLM_PORT + 1}"], []]
+    # Several nodes: the init method names the driver's VLLM_HOST_IP (ray_executor.py), each rank logs it.
+    assert f"distributed_init_method=tcp://{HEAD_IP}:{VLLM_PORT} backend=nccl" in serve_log()
 
 
 def test_workers_hold_the_gpus_and_nccl_reports_rdma(cluster: Cluster, serving: str) -> None:

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(length: int) -> int:
+    """VLLM_PORT for a run: the first of `length` consecutive ports free on every address (vLLM probes with "")."""
+    while True:
+        first = free_port()
+        try:
+            for port in range(first, first + length):
+                with socket.socket() as sock:
+                    sock.bind(("", port))
+        except (OSError, OverflowError):
+            continue
+        return first
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +132,11 @@ def tree(pid: int) -> set[int]:
 
 def listening_ports(pid: int) -> set[int]:
     """TCP ports in LISTEN state whose socket belongs to the process tree of `pid`."""
+    return {port for _address, port in listening(pid)}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets in LISTEN state that belong to the process tree of `pid`."""
     inodes: set[str] = set()
     for member in tree(pid):
         try:
@@ -127,13 +146,16 @@ def listening_ports(pid: int) -> set[int]:
                     inodes.add(target[8:-1])
         except OSError:
             continue
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # the kernel prints each 32-bit word in host (little-endian) order
+                packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, packed), int(port, 16)))
+    return found
 
 
 def get(url: str) -> tuple[int, Any]:
@@ -151,24 +173,33 @@ def post(url: str, data: dict[str, Any]) -> tuple[int, Any]:
         return response.status, json.loads(response.read())
 
 
+@dataclass
+class TwoNodes:
+    head: Node
+    other: Node
+    port: int  # the API
+    master_port: int
+    vllm_port: int  # VLLM_PORT on both nodes, as hy3spark's node.env sets it
+
+
 @pytest.fixture
-def two_nodes(hub: tuple[Path, str], tmp_path: Path) -> Iterator[tuple[Node, Node, int, int]]:
-    """The head and the --headless node, both serving: (head, headless, API port, master port)."""
+def two_nodes(hub: tuple[Path, str], tmp_path: Path) -> Iterator[TwoNodes]:
+    """The head and the --headless node, both serving."""
     cache, revision = hub
-    port, master_port = free_port(), free_port()
-    head = Node(node_argv(0, revision, port, master_port), cache, tmp_path / "head.log")
-    other = Node(node_argv(1, revision, port, master_port), cache, tmp_path / "node1.log")
+    port, master_port, vllm_port = free_port(), free_port(), free_ports(2)
+    head = Node(node_argv(0, revision, port, master_port), cache, tmp_path / "head.log", VLLM_PORT=str(vllm_port))
+    other = Node(node_argv(1, revision, port, master_port), cache, tmp_path / "node1.log", VLLM_PORT=str(vllm_port))
     try:
         head.wait_for(r"Application startup complete\.$")
         other.wait_for(r"\[gpu_worker\.py:\d+\] Available KV cache memory")
-        yield head, other, port, master_port
+        yield TwoNodes(head, other, port, master_port, vllm_port)
     finally:
         head.stop()
         other.stop()
 
 
-def test_two_nodes_serve_and_the_headless_node_opens_no_port(two_nodes: tuple[Node, Node, int, int]) -> None:
-    head, other, port, master_port = two_nodes
+def test_two_nodes_serve_and_the_headless_node_opens_no_port(two_nodes: TwoNodes) -> None:
+    head, other, port, master_port = two_nodes.head, two_nodes.other, two_nodes.port, two_nodes.master_port
     url = f"http://127.0.0.1:{port}"
     assert get(url + "/health") == (200, None)
     status, models = get(url + "/v1/models")
@@ -177,14 +208,22 @@ def test_two_nodes_serve_and_the_headless_node_opens_no_port(two_nodes: tuple[No
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["text"].startswith(" hy3spark engine double says")
 
-    # The head listens on the API port and the rendezvous port; the headless node on nothing at all.
-    assert {port, master_port} <= listening_ports(head.proc.pid)
-    assert listening_ports(other.proc.pid) == set()
-
     # Each node runs its share of the ranks as its own processes: rank 0 on the head, rank 1 on the other node.
     status, workers = get(url + "/double/workers")
     ranks = {w["rank"]: w["pid"] for w in workers["workers"]}
     assert set(ranks) == {0, 1}
+
+    # The head listens on the API port, the store on every address at the master port, and from VLLM_PORT upward on
+    # its own address: the executor's broadcast queue, then rank 0's TP group queue (vLLM's get_open_port moves up
+    # past the first). The headless node listens on nothing at all.
+    ip, vllm_port = workers["workers"][0]["node_ip"], two_nodes.vllm_port
+    assert listening(head.proc.pid) == {("0.0.0.0", port), ("0.0.0.0", master_port), (ip, vllm_port),
+                                        (ip, vllm_port + 1)}  # fmt: skip
+    assert [w["listening"] for w in sorted(workers["workers"], key=lambda w: w["rank"])] == [[f"{ip}:{vllm_port + 1}"],
+                                                                                             []]  # fmt: skip
+    assert re.search(rf"^\(Worker_TP0 pid=\d+\) INFO .*\[network_utils\.py:\d+\] Port {vllm_port} is already in use, "
+                     rf"trying port {vllm_port + 1}$", head.text(), re.M)  # fmt: skip
+    assert listening_ports(other.proc.pid) == set()
     assert ranks[0] in tree(head.proc.pid) - {head.proc.pid}
     assert ranks[1] in tree(other.proc.pid) - {other.proc.pid}
 
@@ -208,8 +247,8 @@ def test_two_nodes_serve_and_the_headless_node_opens_no_port(two_nodes: tuple[No
     assert re.search(rf"\] Starting vLLM server on http://0\.0\.0\.0:{port}$", log, re.M)
 
 
-def test_a_rank_that_dies_on_the_headless_node_takes_the_engine_down(two_nodes: tuple[Node, Node, int, int]) -> None:
-    head, other, port, _ = two_nodes
+def test_a_rank_that_dies_on_the_headless_node_takes_the_engine_down(two_nodes: TwoNodes) -> None:
+    head, other, port = two_nodes.head, two_nodes.other, two_nodes.port
     _, workers = get(f"http://127.0.0.1:{port}/double/workers")
     remote = next(w["pid"] for w in workers["workers"] if w["rank"] == 1)
     os.kill(remote, signal.SIGKILL)
@@ -221,8 +260,8 @@ def test_a_rank_that_dies_on_the_headless_node_takes_the_engine_down(two_nodes: 
     assert "EngineDeadError: EngineCore encountered an issue." in head.text()
 
 
-def test_a_rank_that_dies_on_the_head_takes_the_engine_down(two_nodes: tuple[Node, Node, int, int]) -> None:
-    head, other, port, _ = two_nodes
+def test_a_rank_that_dies_on_the_head_takes_the_engine_down(two_nodes: TwoNodes) -> None:
+    head, other, port = two_nodes.head, two_nodes.other, two_nodes.port
     url = f"http://127.0.0.1:{port}"
     _, workers = get(url + "/double/workers")
     os.kill(next(w["pid"] for w in workers["workers"] if w["rank"] == 0), signal.SIGKILL)
@@ -299,13 +338,16 @@ def test_one_node_several_gpus_runs_the_ranks_as_local_processes(hub: tuple[Path
     at = argv.index("--distributed-executor-backend")
     argv = [*argv[:at], *argv[at + 10:]]  # no launcher flags at all: vLLM picks mp
     assert "--nnodes" not in argv and "--master-port" not in argv
-    node = Node(argv, cache, tmp_path / "one.log", VLLM_DOUBLE_LOCAL_GPUS="2")
+    vllm_port = free_ports(1)
+    node = Node(argv, cache, tmp_path / "one.log", VLLM_DOUBLE_LOCAL_GPUS="2", VLLM_PORT=str(vllm_port))
     try:
         node.wait_for(r"Application startup complete\.$")
         _, workers = get(f"http://127.0.0.1:{port}/double/workers")
         assert sorted(w["rank"] for w in workers["workers"]) == [0, 1]
         assert {w["pid"] for w in workers["workers"]} <= tree(node.proc.pid) - {node.proc.pid}
-        assert "distributed_init_method=tcp://127.0.0.1:" in node.text()
+        # vLLM's mp executor: the loopback and get_open_port() (VLLM_PORT), the store on every address; no queue.
+        assert f"distributed_init_method=tcp://127.0.0.1:{vllm_port} backend=nccl" in node.text()
+        assert listening(node.proc.pid) == {("0.0.0.0", port), ("0.0.0.0", vllm_port)}
     finally:
         node.stop()
     code, log = run(argv, cache, tmp_path, "one-gpu")  # VLLM_DOUBLE_LOCAL_GPUS=1
