@@ -14,7 +14,16 @@ from typing import Literal
 
 from typing_extensions import TypedDict
 
-from hy3spark.spec import SSH_PORT, Node, Spec, TrtllmServing, engine_port, master_port, ray_ports
+from hy3spark.spec import (
+    SSH_PORT,
+    Node,
+    Spec,
+    TrtllmServing,
+    engine_port,
+    master_port,
+    ray_ports,
+    vllm_internal_ports,
+)
 
 # Who may connect: `fabric` the cluster's own nodes over the cable, `clients` firewall.api_allow, `loopback` only the
 # node itself (bound to 127.0.0.1), `ssh` whatever the node's SSH policy is (hy3spark leaves it alone).
@@ -73,4 +82,10 @@ def port_table(spec: Spec, node: Node, head: bool) -> list[PortEntry]:
         assert port is not None
         rows.append(_entry("torch.distributed rendezvous (native launcher)", "serving.master_port", port, ALL,
                            "fabric"))
+    span = vllm_internal_ports(spec)
+    if span is not None:
+        # VLLM_PORT upward: the store (all addresses) on the node of rank 0, the broadcast queue (the fabric address)
+        # across nodes. Every node gets the range: which node holds rank 0 is Ray's choice.
+        rows.append(_entry("vLLM internal (torch.distributed store, broadcast queue; VLLM_PORT upward)",
+                           "serving.internal_port", span[0], ALL, "fabric", last=span[1]))
     return rows

@@ -207,6 +207,12 @@ class Model(SpecModel):
         return f"{self.cache_dir}/models--{org}--{name}"
 
 
+# vLLM's internal listeners take VLLM_PORT and the ports above it (vllm/utils/network_utils.py: get_open_port scans
+# upward from VLLM_PORT): the store first, then the broadcast queue; the rest is room for a port another process holds.
+DEFAULT_VLLM_INTERNAL_PORT = 29510
+VLLM_INTERNAL_PORTS = 8
+
+
 class ServingBase(SpecModel):
     """What every engine serves with: the endpoint, the parallelism, the context, the key. An engine's own section
     (VllmServing, ...) adds its flags; `serving.engine` chooses the section, and its fields are checked there."""
@@ -234,6 +240,12 @@ class VllmServing(ServingBase):
                                    "--node-rank, --master-addr, --headless on the other nodes)")
     master_port: Annotated[int, Field(ge=1024, le=65535)] | None = Field(
         default=None, description="native on several nodes: the head's rendezvous port (default 29501)")
+    internal_port: Annotated[int, Field(ge=1024, le=65536 - VLLM_INTERNAL_PORTS)] = Field(
+        default=DEFAULT_VLLM_INTERNAL_PORT,
+        description=f"VLLM_PORT on every node: the first of vLLM's internal ports (its torch.distributed store, bound "
+                    f"to all addresses, and its cross-node broadcast queue, on the fabric address). vLLM takes the "
+                    f"first free port from here upward; hy3spark reserves and fences this one and the next "
+                    f"{VLLM_INTERNAL_PORTS - 1} (the cluster's fabric addresses only)")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"] = "auto"
     gpu_memory_utilization: Annotated[FiniteFloat, Field(gt=0, le=1)] = 0.9
     speculative_config: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = None
@@ -735,6 +747,9 @@ def _check_env(spec: Spec) -> list[Problem]:
             problems.append((path, f"{key} is set by hy3spark from the ray section (ray.auth, ray.metrics and the "
                                    "ray.*_metrics_port fields); container.env may not override it: a copied spec "
                                    "could otherwise turn off Ray's token check"))
+        elif key == "VLLM_PORT":
+            problems.append((path, "VLLM_PORT is set by hy3spark from serving.internal_port, the range the firewall "
+                                   "fences for vLLM's internal ports; set serving.internal_port instead"))
         elif key in OWNED_ENV or key.startswith(OWNED_ENV_PREFIXES) or key.endswith(OWNED_ENV_SUFFIXES):
             problems.append((path, f"{key} is derived per node by hy3spark (from fabric, model.cache_dir and the "
                                    "node's own address); container.env may not override it"))
@@ -821,6 +836,37 @@ def _check_ray_ports(spec: Spec) -> list[Problem]:
             problems.append((("ray", key), f"{port} is SSH's port, which Ansible reaches the nodes on; pick "
                                            f"another ray.{key}"))
     return problems
+
+
+def vllm_internal_ports(spec: Spec) -> tuple[int, int] | None:
+    """(first, last) of the range vLLM's internal listeners take from VLLM_PORT upward; None for another engine."""
+    s = spec.serving
+    if not isinstance(s, VllmServing):
+        return None
+    return s.internal_port, s.internal_port + VLLM_INTERNAL_PORTS - 1
+
+
+def _check_vllm_ports(spec: Spec) -> list[Problem]:
+    """vLLM's internal range (serving.internal_port) holds no other port of ours: the engine would move up past a
+    taken port, out of the range the firewall names."""
+    span = vllm_internal_ports(spec)
+    if span is None:
+        return []
+    first, last = span
+    s = spec.serving
+    taken: list[tuple[str, int]] = [("SSH's port", SSH_PORT), ("serving.port", s.port)]
+    if master_port(spec) is not None:
+        taken.append(("serving.master_port", master_port(spec) or 0))
+    if s.launcher == "ray":
+        taken += [(f"ray.{key}", port) for _, key, port in ray_ports(spec, head=True)]
+    where = f"{first}-{last} (VLLM_PORT and the {VLLM_INTERNAL_PORTS - 1} ports above it, vLLM's internal range)"
+    for what, port in taken:
+        if first <= port <= last:
+            return [(("serving", "internal_port"), f"{where} holds {what} ({port}); move one of them")]
+    if s.launcher == "ray" and first <= spec.ray.max_worker_port and spec.ray.min_worker_port <= last:
+        return [(("serving", "internal_port"), f"{where} overlaps Ray's worker ports ({spec.ray.min_worker_port}"
+                                               f"-{spec.ray.max_worker_port}); move one of them")]
+    return []
 
 
 def master_port(spec: Spec) -> int | None:
@@ -934,7 +980,8 @@ def _check_launcher(spec: Spec) -> list[Problem]:
 
 
 _RULES = (_check_secret_refs, _check_nodes, _check_fabric_presence, _check_fabric, _check_serving, _check_env,
-          _check_extra_args, _check_earlyoom, _check_launcher, _check_ray_ports)
+          _check_extra_args, _check_earlyoom, _check_launcher, _check_ray_ports,
+          _check_vllm_ports)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def test_the_default_pair_lists_every_port_ray_opens() -> None:
         "ray.dashboard_agent_grpc_port": (52366, "0.0.0.0", "fabric"),
         "ray.runtime_env_agent_port": (52368, "10.0.0.1", "fabric"),
         "ray.min_worker_port..max_worker_port": (20000, "0.0.0.0", "fabric"),
+        "serving.internal_port": (29510, "0.0.0.0", "fabric"),
     }
     worker = {r["field"] for r in ctx["nodes"]["spark-b"]["ports"]}
     assert worker == set(head) - {"serving.port", "ray.port", "ray.client_server_port", "ray.dashboard_metrics_port",
@@ -128,6 +129,41 @@ def test_the_serving_port_may_not_take_any_ray_port() -> None:
         assert any("serving.port" in p and "collides with a Ray port" in p for p in found), (port, found)
     found = problems(spec_text(ray={"client_server_port": 10002}, serving={**BASE["serving"], "port": 10002}))
     assert any("Ray's client server port" in p for p in found), found
+
+
+def test_vllms_internal_ports_are_pinned_listed_and_fenced_on_every_node() -> None:
+    """vLLM 0.23 takes its torch.distributed store and its cross-node broadcast queue from VLLM_PORT upward
+    (get_open_port); unpinned they land on a random port on all addresses, which no firewall rule could name."""
+    from hy3spark.render import render_all
+
+    loaded = parse_spec(spec_text(serving={**BASE["serving"], "internal_port": 31000}), "cluster.yml")
+    ctx = build_context(loaded)
+    outputs = {o.path: o.content for o in render_all(loaded)}
+    for name in ("spark-a", "spark-b"):
+        node = ctx["nodes"][name]
+        assert node["env"]["VLLM_PORT"] == "31000"
+        row = next(r for r in node["ports"] if r["field"] == "serving.internal_port")
+        assert (row["first"], row["last"], row["bind"], row["reach"]) == (31000, 31007, "0.0.0.0", "fabric")
+        etc = f"files/{name}/etc/hy3spark"
+        assert "31000-31007/tcp bind 0.0.0.0 from fabric: vLLM internal" in outputs[f"{etc}/ports.txt"]
+        assert "31000-31007" in outputs[f"{etc}/firewall.nft"].split("set fabric_tcp")[1]
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"serving": {**BASE["serving"], "port": 29512}}, "holds serving.port (29512)"),
+    ({"serving": {**BASE["serving"], "internal_port": 6375}}, "holds ray.port (6379)"),
+    ({"serving": {**BASE["serving"], "internal_port": 20990}}, "overlaps Ray's worker ports (20000-20999)"),
+    ({"serving": {**BASE["serving"], "internal_port": 52360}}, "holds ray.dashboard_agent_listen_port (52365)"),
+])
+def test_vllms_internal_range_may_not_hold_another_port(change: dict[str, object], words: str) -> None:
+    found = problems(spec_text(**change))
+    assert any(" serving.internal_port: " in p and words in p and "(VLLM_PORT and the 7 ports above it" in p
+               for p in found), found
+
+
+def test_container_env_may_not_set_vllm_port() -> None:
+    found = problems(spec_text(container={"env": {"VLLM_PORT": "40000"}}))
+    assert len(found) == 1 and "container.env.VLLM_PORT" in found[0] and "serving.internal_port" in found[0], found
 
 
 @pytest.mark.parametrize("key", ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",

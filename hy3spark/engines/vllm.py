@@ -27,12 +27,14 @@ class VllmEngine:
 
     def node_env(self, node: Node, common: dict[str, str]) -> dict[str, str]:
         """The node's env file: VLLM_HOST_IP is the node's OWN fabric address (the field's commonest mistake),
-        VLLM_CONFIG_ROOT holds ray_non_carry_over_env_vars.json (the vllm_serve role writes it)."""
+        VLLM_CONFIG_ROOT holds ray_non_carry_over_env_vars.json (the vllm_serve role writes it), VLLM_PORT pins
+        vLLM's internal ports to serving.internal_port and up (the range the port table and the firewall name)."""
         from hy3spark.context import VLLM_CONFIG_ROOT  # the context imports the engines
 
+        own = {"VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT, "VLLM_PORT": str(self.spec.serving.internal_port)}
         if node.fabric_ip is None:  # one machine, no fabric: the ranks meet on loopback, vLLM's own default
-            return {**common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
-        return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, "VLLM_CONFIG_ROOT": VLLM_CONFIG_ROOT}
+            return {**common, **own}
+        return {"VLLM_HOST_IP": str(node.fabric_ip.ip), **common, **own}
 
     @staticmethod
     def check_extra_args(args: list[str]) -> list[tuple[int, str]]:
