@@ -167,3 +167,47 @@ def killed_on_start(host: testinfra.host.Host, container: str) -> Iterator[None]
         yield
     finally:
         host.run("systemctl stop hy3spark-fault-killer")
+
+
+# Every listening TCP socket of a network namespace (IPv4 and IPv6), as "address port" lines.
+_LISTENERS = (
+    "import ipaddress\n"
+    "for f, size in (('/proc/net/tcp', 4), ('/proc/net/tcp6', 16)):\n"
+    "    try: lines = open(f).readlines()[1:]\n"
+    "    except OSError: continue\n"
+    "    for line in lines:\n"
+    "        p = line.split()\n"
+    "        if p[3] == '0A':\n"
+    "            a, port = p[1].split(':')\n"
+    "            raw = b''.join(bytes.fromhex(a[i:i + 8])[::-1] for i in range(0, len(a), 8))\n"
+    "            ip = ipaddress.ip_address(raw)\n"
+    "            ip = ip.ipv4_mapped or ip if size == 16 else ip\n"
+    "            print(ip, int(port, 16))\n"
+)
+
+
+def listeners(host: testinfra.host.Host) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket in the host's network namespace (the Ray and engine containers
+    share it: --network host)."""
+    lines = host.check_output("python3 -c %s", _LISTENERS).splitlines()
+    return [(addr, int(port)) for addr, port in (line.split() for line in lines)]
+
+
+def stray_listeners(host: testinfra.host.Host, ports_txt: str) -> list[str]:
+    """Listeners beyond loopback that the rendered port table (files/<node>/etc/hy3spark/ports.txt) does not name as
+    bound: a port outside every row, or one bound elsewhere than its row says. Loopback listeners reach no one else
+    (containerd's stream server takes a random one; 127.0.0.11 is Docker's DNS in a test container)."""
+    ranges = []
+    for line in ports_txt.splitlines():
+        if line and not line.startswith("#"):
+            span, _, bind, *_ = line.split()
+            first, _, last = span.removesuffix("/tcp").partition("-")
+            ranges.append((int(first), int(last or first), bind))
+    stray = []
+    for addr, port in listeners(host):
+        if addr.startswith("127.") or addr == "::1":
+            continue
+        match = [r for r in ranges if r[0] <= port <= r[1]]
+        if not match or (match[0][2] != "0.0.0.0" and addr not in {match[0][2], "127.0.0.1"}):
+            stray.append(f"{addr}:{port}")
+    return stray

@@ -61,16 +61,6 @@ def test_serves_with_tensor_parallel_one() -> None:
 
 
 # Listening TCP sockets of the node's network namespace (the container shares the host's): "ADDR PORT" lines.
-LISTENERS = (
-    "for f in ('/proc/net/tcp',):\n"
-    "    for line in open(f).readlines()[1:]:\n"
-    "        p = line.split()\n"
-    "        if p[3] == '0A':\n"
-    "            a, port = p[1].split(':')\n"
-    "            print('.'.join(str(int(a[i:i + 2], 16)) for i in (6, 4, 2, 0)), int(port, 16))\n"
-)
-
-
 def test_ray_asks_every_process_for_the_clusters_token() -> None:
     token = node().file("/etc/hy3spark/ray-token")
     assert (token.mode, token.user) == (0o600, "root")
@@ -87,24 +77,9 @@ def test_ray_asks_every_process_for_the_clusters_token() -> None:
 
 
 def test_every_listening_port_is_in_the_rendered_table() -> None:
-    """What the node listens on beyond loopback (host network: Ray and the engine double) against
-    files/<node>/etc/hy3spark/ports.txt. Loopback listeners reach no one else (containerd's stream server takes a
-    random one; 127.0.0.11 is Docker's DNS in the test container)."""
+    """What the node listens on beyond loopback (host network: Ray) against files/<node>/etc/hy3spark/ports.txt."""
     table = (RENDERED / "files" / NODE / "etc/hy3spark/ports.txt").read_text()
-    ranges = []
-    for line in table.splitlines():
-        if line and not line.startswith("#"):
-            span, _, bind, *_ = line.split()
-            first, _, last = span.removesuffix("/tcp").partition("-")
-            ranges.append((int(first), int(last or first), bind))
-    stray = []
-    for line in node().check_output("python3 -c %s", LISTENERS).splitlines():
-        addr, port = line.split()
-        if addr.startswith("127."):
-            continue
-        match = [r for r in ranges if r[0] <= int(port) <= r[1]]
-        if not match or (match[0][2] != "0.0.0.0" and addr not in {match[0][2], "127.0.0.1"}):
-            stray.append(f"{addr}:{port}")
+    stray = scenario.stray_listeners(node(), table)
     assert not stray, f"listening but not in ports.txt as bound: {stray}\n{table}"
 
 

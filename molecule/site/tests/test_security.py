@@ -26,6 +26,7 @@ CONTAINER = {HEAD: "hy3-head", WORKER: "hy3-worker"}
 MGMT_NET, FABRIC_NET = "site-0-mgmt", "site-1-fabric"
 STRANGER_IP = "10.95.0.99"
 API_PORT = 8888
+VLLM_PORT = 29510  # serving.internal_port's default: the engine's store, and its broadcast queue one above
 API_KEY = os.environ.get("HY3SPARK_SITE_API_KEY", "")
 IMAGE = os.environ.get("HY3SPARK_DNODE_IMAGE", "")
 
@@ -132,10 +133,28 @@ def test_a_stranger_on_the_fabric_is_refused_every_ray_port(name: str) -> None:
     assert found == {"open": [], "silent": []}, f"{name}: a fabric address outside the cluster reached {found}"
     # The same ports answer the cluster's own fabric peer (the other node): the firewall admits peers only.
     peer = WORKER if name == HEAD else HEAD
-    listening = [p for p in ports if p != 20000]  # the range has no listener until a worker process takes a port
+    # A range's first port stands for it: the worker range has no listener until a worker process takes a port, and
+    # vLLM's internal range only on the node of rank 0 (the head), where its store holds VLLM_PORT itself.
+    listening = [p for p in ports if p != 20000 and (p != VLLM_PORT or name == HEAD)]
     probe = node(peer).run("python3 -c %s %s %s", SCAN, ",".join(map(str, listening)), fabric)
     assert probe.rc == 0, probe.stderr
     assert json.loads(probe.stdout.strip().splitlines()[-1])[fabric]["open"] == sorted(listening)
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_every_listener_of_the_serving_cluster_is_in_the_port_table(name: str) -> None:
+    """While the engine serves: what each node listens on beyond loopback (Ray, the engine and vLLM's internal
+    listeners share the node's network) is in its rendered port table as bound. On the head that includes vLLM's
+    store on VLLM_PORT (serving.internal_port, all addresses) and the cross-node broadcast queue above it on the
+    fabric address: pinned, so the firewall's fabric set covers them."""
+    table = (SCENARIO / ".rendered" / "files" / name / "etc/hy3spark/ports.txt").read_text()
+    stray = scenario.stray_listeners(node(name), table)
+    assert not stray, f"{name}: listening but not in ports.txt as bound: {stray}\n{table}"
+    found = set(scenario.listeners(node(name)))
+    if name == HEAD:
+        assert {("0.0.0.0", VLLM_PORT), ("10.95.0.11", VLLM_PORT + 1)} <= found, sorted(found)
+    else:
+        assert not [p for _, p in found if VLLM_PORT <= p < VLLM_PORT + 8], sorted(found)
 
 
 def test_ray_refuses_a_client_without_the_token_on_the_fabric() -> None:
