@@ -855,8 +855,9 @@ def _check_vllm_ports(spec: Spec) -> list[Problem]:
     first, last = span
     s = spec.serving
     taken: list[tuple[str, int]] = [("SSH's port", SSH_PORT), ("serving.port", s.port)]
-    if master_port(spec) is not None:
-        taken.append(("serving.master_port", master_port(spec) or 0))
+    rendezvous = master_port(spec)
+    if rendezvous is not None:
+        taken.append(("serving.master_port", rendezvous))
     if s.launcher == "ray":
         taken += [(f"ray.{key}", port) for _, key, port in ray_ports(spec, head=True)]
     where = f"{first}-{last} (VLLM_PORT and the {VLLM_INTERNAL_PORTS - 1} ports above it, vLLM's internal range)"

@@ -154,6 +154,7 @@ def test_vllms_internal_ports_are_pinned_listed_and_fenced_on_every_node() -> No
     ({"serving": {**BASE["serving"], "internal_port": 6375}}, "holds ray.port (6379)"),
     ({"serving": {**BASE["serving"], "internal_port": 20990}}, "overlaps Ray's worker ports (20000-20999)"),
     ({"serving": {**BASE["serving"], "internal_port": 52360}}, "holds ray.dashboard_agent_listen_port (52365)"),
+    ({"serving": {**BASE["serving"], "launcher": "native", "master_port": 29511}}, "holds serving.master_port (29511)"),
 ])
 def test_vllms_internal_range_may_not_hold_another_port(change: dict[str, object], words: str) -> None:
     found = problems(spec_text(**change))
