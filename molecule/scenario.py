@@ -181,7 +181,7 @@ _LISTENERS = (
     "            a, port = p[1].split(':')\n"
     "            raw = b''.join(bytes.fromhex(a[i:i + 8])[::-1] for i in range(0, len(a), 8))\n"
     "            ip = ipaddress.ip_address(raw)\n"
-    "            ip = ip.ipv4_mapped or ip if size == 16 else ip\n"
+    "            if size == 16: ip = ip.ipv4_mapped or ip\n"
     "            print(ip, int(port, 16))\n"
 )
 

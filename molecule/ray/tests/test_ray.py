@@ -60,7 +60,6 @@ def test_serves_with_tensor_parallel_one() -> None:
     assert record["max_concurrency_line"].endswith(vllm["lines"][1]), record
 
 
-# Listening TCP sockets of the node's network namespace (the container shares the host's): "ADDR PORT" lines.
 def test_ray_asks_every_process_for_the_clusters_token() -> None:
     token = node().file("/etc/hy3spark/ray-token")
     assert (token.mode, token.user) == (0o600, "root")
