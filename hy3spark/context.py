@@ -36,6 +36,10 @@ API_FRONT = f"{CONFIG_DIR}/api-front.py"
 # The cluster's Ray token (ray.auth: token): made on the head by the ray_node role, copied to every node, 0600, read
 # by every Ray process through RAY_AUTH_TOKEN_PATH (the /etc/hy3spark mount). Never rendered.
 RAY_TOKEN = f"{CONFIG_DIR}/ray-token"
+# The engine's secrets (API key, Hub token): a 0600 file in a 0700 directory of its own, outside /etc/hy3spark,
+# which every node container mounts. The serve script gets the file on stdin (`docker exec -i`, or a host unit's
+# StandardInput=file:), so no file in a container holds them and no Ray process can read them from disk.
+SECRETS_DIR = "/etc/hy3spark-secrets"
 # The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
@@ -59,6 +63,7 @@ class Paths(TypedDict):
     log_dir: str
     state_dir: str
     node_env: str
+    secrets_dir: str
     secrets_env: str
     serve_script: str
     serve_log: str
@@ -398,7 +403,7 @@ def _container_for(spec: Spec, node: Node, head: bool) -> Container:
         "ulimits": ["memlock:-1:-1", "stack:67108864:67108864"],
         "volumes": mounts,
         # Non-secret settings only: docker copies an env file into `docker inspect`. Secrets live in a separate
-        # 0600 file under /etc/hy3spark that only the serve launcher reads.
+        # 0600 file outside every mount (SECRETS_DIR) that only the serve script reads, from its stdin.
         "env_file": f"{CONFIG_DIR}/node.env",
         "optional_devices": ["/dev/infiniband"],
         "labels": {"io.hy3spark.cluster": spec.name, "io.hy3spark.role": role},
@@ -525,7 +530,8 @@ def build_context(loaded: Loaded) -> Context:
             "log_dir": LOG_DIR,
             "state_dir": STATE_DIR,
             "node_env": f"{CONFIG_DIR}/node.env",
-            "secrets_env": f"{CONFIG_DIR}/secrets.env",
+            "secrets_dir": SECRETS_DIR,
+            "secrets_env": f"{SECRETS_DIR}/secrets.env",
             "serve_script": f"{CONFIG_DIR}/serve.sh",
             "serve_log": SERVE_LOG,
             "vllm_config_root": VLLM_CONFIG_ROOT,

@@ -367,17 +367,18 @@ def test_trtllm_launch_line_is_mpirun_then_trtllm_serve() -> None:
     assert engine[engine.index("--host") + 1] == "127.0.0.1"
     assert engine[engine.index("--extra_llm_api_options") + 1] == "/etc/hy3spark/engine-options.yml"
     assert "files/spark-b/etc/hy3spark/serve.sh" not in outputs, "mpirun starts the worker's rank"
-    # The secrets come from the 0600 file the script sources before it execs mpirun; the API front starts in the
+    # The secrets come on the script's stdin and are exported before it execs mpirun; the API front starts in the
     # background first, with the key's NAME on its line, and the key is unset before mpirun (no rank gets it).
     front = ("python3 /etc/hy3spark/api-front.py --listen 0.0.0.0:8355 --upstream 127.0.0.1:8356 "
              "--key-env HY3SPARK_API_KEY &")
-    assert serve.index(". /etc/hy3spark/secrets.env") < serve.index(front) < serve.index(
+    assert serve.index('eval "$secrets"') < serve.index(front) < serve.index(
         "unset HY3SPARK_API_KEY\nexec mpirun")
     assert "-x HY3SPARK_API_KEY" not in serve
     no_key = TRTLLM.read_text().replace("  api_key_env: HY3SPARK_API_KEY\n", "  open_endpoint: true\n")
     open_serve = {o.path: o.content for o in render_all(parse_spec(no_key, "c.yml"))}[
         "files/spark-a/etc/hy3spark/serve.sh"]
-    assert "api-front" not in open_serve and "unset" not in open_serve and "--port 8355 --host 0.0.0.0" in open_serve
+    assert "api-front" not in open_serve and "unset HY3SPARK" not in open_serve
+    assert "--port 8355 --host 0.0.0.0" in open_serve
 
 
 def test_trtllm_containers_run_the_mpi_sshd_on_its_port() -> None:

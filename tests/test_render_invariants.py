@@ -24,7 +24,7 @@ import shlex
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from unittest import mock
 from urllib.parse import urlsplit
@@ -677,8 +677,7 @@ def test_serve_command_is_the_specs_and_carries_no_secret(name: str) -> None:
     assert not smuggled, f"a secret flag on the engine's command line (visible in ps): {smuggled}"
 
     script = r.files[f"files/{ex.head.name}/etc/hy3spark/serve.sh"]
-    sourced = script.index(". /etc/hy3spark/secrets.env")
-    assert script.index("set -a") < sourced < script.index("exec vllm"), "secrets reach the engine from the file"
+    check_secrets_come_on_stdin(script, "exec vllm")
     for path in (f"files/{ex.head.name}/etc/hy3spark/serve.sh", *(f"files/{n.name}/docker-run.sh" for n in ex.nodes)):
         shell = r.files[path].splitlines()[0].removeprefix("#!")
         assert shell in ("/bin/sh", "/bin/bash"), f"{path}: shebang {shell!r}"
@@ -728,8 +727,16 @@ def check_mpirun_launch(ex: Expect, r: Rendered) -> None:
         hostfile = r.files[f"files/{node.name}/etc/hy3spark/openmpi-hostfile"]
         hosts = [line for line in hostfile.splitlines() if line and not line.startswith("#")]
         assert hosts == [f"{n.ip or 'localhost'} slots=1" for n in ex.nodes], "fabric addresses, one slot each"
-    sourced = script.index(". /etc/hy3spark/secrets.env")
-    assert script.index("set -a") < sourced < script.index("exec mpirun"), "secrets reach mpirun from the file"
+    check_secrets_come_on_stdin(script, "exec mpirun")
+
+
+def check_secrets_come_on_stdin(script: str, engine: str) -> None:
+    """The serve script reads the secrets from its stdin before the log's tee starts, and exports them after it,
+    before it execs the engine; it never names a file that holds them (tests/test_serve_script.py runs it)."""
+    read, tee = script.index("secrets=$(cat)"), script.index("exec > >(tee -a ")
+    exported = script.index('set -a\n  eval "$secrets"\n  set +a')
+    assert read < tee < exported < script.index("unset secrets") < script.index(engine)
+    assert ". /etc/" not in script and "secrets.env" not in script.split("set -euo pipefail", 1)[1]
 
 
 def check_ray_command(ex: Any, node: Any, command: list[str], ray_port: str) -> None:
@@ -757,6 +764,9 @@ def test_containers_join_the_head_and_take_no_secret(name: str) -> None:
         command = container["command"]
         assert "env" not in container, "env: values show in `docker inspect`; only the non-secret env file"
         assert container["env_file"] == "/etc/hy3spark/node.env"
+        secrets = PurePosixPath("/etc/hy3spark-secrets/secrets.env")
+        sources = [PurePosixPath(v.split(":")[0]) for v in container["volumes"]]
+        assert not [s for s in sources if s == secrets or s in secrets.parents], "no container mounts the secrets"
         assert f"files/{node.name}{container['env_file']}" in r.files
         if ex.trtllm:
             port = ex.get("serving.mpi_port", 2233)

@@ -1,9 +1,9 @@
 """hy3spark's API front before TensorRT-LLM (issue 12: "401 without the key"; trtllm-serve checks none,
 NVIDIA/TensorRT-LLM#9950), run as a deployment runs it: the serve script `hy3spark render` makes for a one-node
-TensorRT-LLM spec with serving.api_key_env, started with `docker exec -d` in a container of the TensorRT-LLM test
-double's image (tests/trtllm_double), where it starts the front (roles/vllm_serve/files/engines/trtllm/api_front.py,
-at the path the role copies it to) and execs the real mpirun, whose one rank serves the double's trtllm-serve behind
-the front on loopback.
+TensorRT-LLM spec with serving.api_key_env, started with `docker exec -i` (the secrets on stdin) in a container of
+the TensorRT-LLM test double's image (tests/trtllm_double), where it starts the front
+(roles/vllm_serve/files/engines/trtllm/api_front.py, at the path the role copies it to) and execs the real mpirun,
+whose one rank serves the double's trtllm-serve behind the front on loopback.
 
 Only the engine is a double: the front, the serve script, bash, mpirun and the HTTP on both sides are real. Needs
 root and a Docker engine; builds the image when this checkout's tag is missing.
@@ -112,17 +112,21 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
     shutil.copy(FRONT, etc / "api-front.py")
     (etc / "api-front.py").chmod(0o755)
     key = "sk-front-" + secrets.token_hex(16)
-    (etc / "secrets.env").write_text(f"HY3SPARK_API_KEY='{key}'\n")
-    (etc / "secrets.env").chmod(0o600)
+    # As the serving role keeps it: outside /etc/hy3spark (which the container mounts), handed to the serve script
+    # on its stdin.
+    env_file = f"HY3SPARK_API_KEY='{key}'\n"
     make_model(hub, MODEL, preset="small", total_size=10**9)
     name = f"{RUN}-head"
     try:
-        docker("run", "-d", "--name", name, "--label", LABEL, "--network", RUN, "--ip", ip,
+        # Under Docker's init, as every node container runs (the detached engine's parent is PID 1).
+        docker("run", "-d", "--init", "--name", name, "--label", LABEL, "--network", RUN, "--ip", ip,
                "--env-file", str(node_env), "-v", f"{etc}:/etc/hy3spark:ro", "-v", f"{logs}:/var/log/hy3spark",
                "-v", f"{hub}:/var/lib/hy3spark/hub:ro", "-v", f"{etc / 'openmpi-hostfile'}:/etc/openmpi-hostfile:ro",
                image, "sleep", "infinity")
-        # As the serving role starts the engine: detached, in the head's container.
-        docker("exec", "-d", name, "/etc/hy3spark/serve.sh")
+        # As the serving role starts the engine: `docker exec -i` with the secrets on stdin; the script detaches.
+        docker("exec", "-i", name, "/etc/hy3spark/serve.sh", input=env_file, timeout=30)
+        # A second copy inside the container, for start_front's extra fronts only (the test's own launcher).
+        docker("exec", "-i", name, "sh", "-c", "umask 077; cat > /tmp/front.env", input=env_file)
         found = Head(name, ip, key, logs / "serve.log")
         deadline = time.monotonic() + 60
         while True:
@@ -219,10 +223,10 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), Paced).serve_forever()
 
 
 def start_front(head: Head, port: int, upstream: int, parent_s: int) -> None:
-    """A second front in the head's container, as the serve script starts it (the key from the secrets file, its
+    """A second front in the head's container, as the serve script starts it (the key in its environment, its
     NAME on the command line), under a parent that lives `parent_s` seconds."""
     docker("exec", "-d", head.name, "bash", "-c",
-           "set -a; . /etc/hy3spark/secrets.env; set +a; python3 /etc/hy3spark/api-front.py --listen "
+           "set -a; . /tmp/front.env; set +a; python3 /etc/hy3spark/api-front.py --listen "
            f"0.0.0.0:{port} --upstream 127.0.0.1:{upstream} --key-env HY3SPARK_API_KEY "
            f">>/tmp/front-{port}.log 2>&1 & exec sleep {parent_s}")
 

@@ -138,8 +138,8 @@ def test_the_key_stays_on_the_head_and_off_every_command_line() -> None:
         assert API_KEY not in node(name).check_output("ps -eo args")
         assert API_KEY not in node(name).check_output(f"docker inspect {CONTAINER[name]}")
     assert API_KEY not in node(HEAD).check_output(f"cat {RUN_FILE}")
-    assert node(HEAD).file("/etc/hy3spark/secrets.env").mode == 0o600
-    assert not node(WORKER).file("/etc/hy3spark/secrets.env").exists, "a headless rank needs no secret"
+    assert node(HEAD).file("/etc/hy3spark-secrets/secrets.env").mode == 0o600
+    assert not node(WORKER).file("/etc/hy3spark-secrets/secrets.env").exists, "a headless rank needs no secret"
 
 
 def test_the_run_record_names_every_ranks_engine_and_the_idempotent_run_kept_them() -> None:

@@ -196,6 +196,17 @@ def test_no_secret_is_in_inspect_argv_env_logs_or_records(name: str) -> None:
     records = holders("sh", "-c", "grep -rlsFf - /var/lib/hy3spark /var/log/hy3spark "
                                   "--exclude-dir=hub || true")
     assert records == "", f"{name}: a secret in hy3spark's records or logs: {records}"
+    # No file in the node's container holds the API key or the Hub token: the secrets file is the node's, in a
+    # directory no container mounts, and the serve script got it on stdin (the Ray token's 0600 file is in the
+    # /etc/hy3spark mount by design: every Ray process reads it).
+    engine_only = "\n".join(v for k, v in secrets.items() if k != "Ray token") + "\n"
+    inside = subprocess.run(
+        ["docker", "exec", "-i", name, "docker", "exec", "-i", CONTAINER[name], "sh", "-c",
+         "grep -rlsFf - / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev --exclude-dir=hub || true"],
+        input=engine_only, capture_output=True, text=True, timeout=300, check=False)
+    assert inside.stdout.strip() == "", f"{name}: a secret in a file of {CONTAINER[name]}: {inside.stdout}"
+    mounts = node(name).check_output("docker inspect -f '{{range .Mounts}}{{.Source}} {{end}}' %s", CONTAINER[name])
+    assert "/etc/hy3spark-secrets" not in mounts.split(), mounts
 
 
 def engine_family(name: str) -> set[int]:

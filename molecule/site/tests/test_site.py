@@ -126,9 +126,11 @@ def test_serve_script_and_secrets_file() -> None:
     assert script.mode == 0o755
     assert script.content_string == (RENDERED / "files" / HEAD / "etc/hy3spark/serve.sh").read_text()
     assert "--distributed-executor-backend ray" in script.content_string
-    secrets = node(HEAD).file("/etc/hy3spark/secrets.env")
+    secrets = node(HEAD).file("/etc/hy3spark-secrets/secrets.env")
     assert secrets.mode == 0o600 and secrets.user == "root"
+    assert node(HEAD).file("/etc/hy3spark-secrets").mode == 0o700
     assert f"VLLM_API_KEY={API_KEY}" in secrets.content_string.splitlines()
+    assert not node(HEAD).file("/etc/hy3spark/secrets.env").exists
 
 
 def test_models_lists_the_served_name() -> None:

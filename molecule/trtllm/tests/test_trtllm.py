@@ -167,7 +167,7 @@ def test_hostfile_options_and_env_are_the_render_byte_for_byte() -> None:
 
 def test_no_secret_on_a_command_line_in_docker_inspect_a_record_or_the_output() -> None:
     assert HF_TOKEN and API_KEY, "molecule.yml sets HF_TOKEN and the API key in the controller's environment"
-    secrets = node(HEAD).file("/etc/hy3spark/secrets.env")
+    secrets = node(HEAD).file("/etc/hy3spark-secrets/secrets.env")
     assert secrets.mode == 0o600 and HF_TOKEN in secrets.content_string and API_KEY in secrets.content_string
     private = node(HEAD).file(f"{MPI_DIR}/id_ed25519").content_string.splitlines()[1]
     for name in NODES:
