@@ -40,6 +40,12 @@ RAY_TOKEN = f"{CONFIG_DIR}/ray-token"
 # which every node container mounts. The serve script gets the file on stdin (`docker exec -i`, or a host unit's
 # StandardInput=file:), so no file in a container holds them and no Ray process can read them from disk.
 SECRETS_DIR = "/etc/hy3spark-secrets"
+# Ray's two Prometheus servers (dashboard head, autoscaler monitor) bind every address and Ray cannot narrow them:
+# with ray.metrics off, roles/ray_node puts a `sitecustomize` there (its files/sitecustomize.py) that binds them to
+# 127.0.0.1, and the Ray container's command puts the directory first on PYTHONPATH (RAY_PYTHONPATH_ARGV).
+RAY_PYTHON_DIR = f"{CONFIG_DIR}/ray-python"
+# `sh -c SCRIPT ray start ...`: the image's own PYTHONPATH kept behind it ($0 is `ray`, "$@" the rest of the argv).
+RAY_PYTHONPATH_ARGV = ["/bin/sh", "-c", f'PYTHONPATH="{RAY_PYTHON_DIR}${{PYTHONPATH:+:$PYTHONPATH}}" exec "$0" "$@"']
 # The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
@@ -159,6 +165,10 @@ class Ray(TypedDict):
     dashboard: str
     auth: str  # token (the cluster's token in token_file) or off
     token_file: str
+    metrics: bool  # ray.metrics: the metrics export server on, and Ray's Prometheus servers as Ray binds them
+    # Where roles/ray_node puts, with metrics off, the sitecustomize that binds Ray's Prometheus servers to loopback
+    # (the Ray container's command puts it first on PYTHONPATH); with metrics on it removes it.
+    python_dir: str
     address: str | None  # None with no fabric (the native launcher on one machine starts no Ray)
 
 
@@ -356,7 +366,7 @@ def _ray_argv(spec: Spec, node: Node, head: bool) -> list[str]:
     ]
     if ray.object_store_memory_bytes:
         argv += ["--object-store-memory", str(ray.object_store_memory_bytes)]
-    return [*argv, "--block"]
+    return [*([] if ray.metrics else RAY_PYTHONPATH_ARGV), *argv, "--block"]
 
 
 # The native launcher's node container holds the engine's namespace (host network and IPC, GPUs, mounts) until the
@@ -595,6 +605,8 @@ def build_context(loaded: Loaded) -> Context:
             "address": f"{head_ip}:{spec.ray.port}" if head_ip else None,
             "auth": spec.ray.auth,
             "token_file": RAY_TOKEN,
+            "metrics": spec.ray.metrics,
+            "python_dir": RAY_PYTHON_DIR,
         },
         "firewall": {
             "enabled": spec.firewall.enabled,

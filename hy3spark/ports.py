@@ -5,7 +5,8 @@ One table feeds three things: the render preview (`files/<node>/ports.txt`), the
 firewall.api_allow) and the spec's collision rule. What binds where was read from the processes themselves (Ray
 2.60's `ray start` with every port pinned, docs/security.md): Ray binds its client server, its dashboard agent's HTTP
 port and its runtime-env agent to the node's address (--node-ip-address, the fabric address), and every other port to
-all addresses with no option to narrow it, so for those the firewall is the only fence.
+all addresses with no option to narrow it, so for those the firewall is the only fence. The two Prometheus servers
+(dashboard head, autoscaler) go to 127.0.0.1 with ray.metrics off: roles/ray_node's sitecustomize binds them there.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _entry(name: str, field: str | None, port: int, bind: str, reach: Reach, las
 
 # Ray binds these to --node-ip-address (the fabric address); every other Ray port to all addresses.
 _RAY_BINDS_NODE_IP = {"client_server_port", "dashboard_agent_listen_port", "runtime_env_agent_port"}
+# Ray's two Prometheus servers: on 127.0.0.1 with ray.metrics off (roles/ray_node's sitecustomize binds them there).
+_RAY_PROMETHEUS = {"dashboard_metrics_port", "autoscaler_metrics_port"}
 
 
 def port_table(spec: Spec, node: Node, head: bool) -> list[PortEntry]:
@@ -64,7 +67,7 @@ def port_table(spec: Spec, node: Node, head: bool) -> list[PortEntry]:
                                "loopback"))
     if s.launcher == "ray":
         for name, field, port in ray_ports(spec, head):
-            if field == "dashboard_port":
+            if field == "dashboard_port" or (field in _RAY_PROMETHEUS and not spec.ray.metrics):
                 rows.append(_entry(name, f"ray.{field}", port, "127.0.0.1", "loopback"))
             elif field in _RAY_BINDS_NODE_IP:
                 rows.append(_entry(name, f"ray.{field}", port, fabric, "fabric"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_spec_rules import BASE, spec_text
 
-from hy3spark.context import build_context
+from hy3spark.context import RAY_PYTHONPATH_ARGV, build_context
 from hy3spark.errors import SpecError
 from hy3spark.spec import load_spec, parse_spec
 
@@ -57,7 +57,11 @@ def test_every_example_has_a_sound_port_table(example: Path) -> None:
         else:
             assert reachable == []
         command = node["container"]["command"]
-        if command[:2] == ["ray", "start"]:
+        if spec.serving.launcher == "ray":
+            # With ray.metrics off the sitecustomize directory goes first on PYTHONPATH (`sh -c ... ray start ...`).
+            prefix = [] if spec.ray.metrics else RAY_PYTHONPATH_ARGV
+            assert command[:len(prefix)] == prefix and command[len(prefix):][:2] == ["ray", "start"], command
+            command = command[len(prefix):]
             by_field = {r["field"]: r for r in rows}
             flags = {flag: int(command[i + 1]) for i, flag in enumerate(command) if flag in RAY_PORT_FLAGS}
             assert flags, command
@@ -75,6 +79,11 @@ def test_every_example_has_a_sound_port_table(example: Path) -> None:
             ip = command[command.index("--node-ip-address") + 1]
             for field in ("ray.dashboard_agent_listen_port", "ray.runtime_env_agent_port"):
                 assert by_field[field]["bind"] == ip
+            # The two Prometheus servers: on loopback through the sitecustomize, unless ray.metrics asks for them.
+            if node["role"] == "head":
+                for field in ("ray.dashboard_metrics_port", "ray.autoscaler_metrics_port"):
+                    wanted = ("0.0.0.0", "fabric") if spec.ray.metrics else ("127.0.0.1", "loopback")
+                    assert (by_field[field]["bind"], by_field[field]["reach"]) == wanted
 
 
 def test_the_default_pair_lists_every_port_ray_opens() -> None:
@@ -85,8 +94,8 @@ def test_the_default_pair_lists_every_port_ray_opens() -> None:
         "serving.port": (8888, "0.0.0.0", "clients"),
         "ray.port": (6379, "0.0.0.0", "fabric"),
         "ray.client_server_port": (10001, "10.0.0.1", "fabric"),
-        "ray.dashboard_metrics_port": (44227, "0.0.0.0", "fabric"),
-        "ray.autoscaler_metrics_port": (44217, "0.0.0.0", "fabric"),
+        "ray.dashboard_metrics_port": (44227, "127.0.0.1", "loopback"),
+        "ray.autoscaler_metrics_port": (44217, "127.0.0.1", "loopback"),
         "ray.node_manager_port": (6380, "0.0.0.0", "fabric"),
         "ray.object_manager_port": (6381, "0.0.0.0", "fabric"),
         "ray.dashboard_agent_listen_port": (52365, "10.0.0.1", "fabric"),
@@ -109,6 +118,12 @@ def test_metrics_and_the_dashboard_add_their_ports_only_when_asked() -> None:
     assert head["ray.metrics_export_port"]["first"] == 52367
     assert (head["ray.dashboard_port"]["bind"], head["ray.dashboard_port"]["reach"]) == ("127.0.0.1", "loopback")
     assert "RAY_enable_metrics_collection" not in ctx["nodes"]["spark-a"]["env"]
+    # Asked for, Ray's Prometheus servers bind as Ray makes them (every address, the firewall their fence), and no
+    # sitecustomize goes on Ray's PYTHONPATH.
+    for field in ("ray.dashboard_metrics_port", "ray.autoscaler_metrics_port"):
+        assert (head[field]["bind"], head[field]["reach"]) == ("0.0.0.0", "fabric")
+    assert ctx["nodes"]["spark-a"]["container"]["command"][:2] == ["ray", "start"]
+    assert ctx["hy3spark"]["ray"]["metrics"] is True
 
 
 @pytest.mark.parametrize(("ray", "field", "words"), [

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from golden import REPO, cases, changes, portable, summary
 
+from hy3spark.context import RAY_PYTHONPATH_ARGV
 from hy3spark.render import render_all
 from hy3spark.spec import load_spec, parse_spec
 
@@ -102,11 +103,13 @@ def test_default_containers_have_the_recipes_settings() -> None:
     head = json.loads(outputs["files/spark-a/container.json"])
     assert head["network_mode"] == "host" and head["ipc_mode"] == "host" and head["gpus"] is True
     assert head["ulimits"] == ["memlock:-1:-1", "stack:67108864:67108864"]
-    assert head["command"][:3] == ["ray", "start", "--head"]
+    # ray.metrics off: Ray's Prometheus servers go to loopback through the sitecustomize on PYTHONPATH.
+    assert head["command"][:3] == RAY_PYTHONPATH_ARGV
+    assert head["command"][3:6] == ["ray", "start", "--head"]
     assert "--include-dashboard=false" in head["command"]
     assert head["command"][head["command"].index("--node-ip-address") + 1] == "10.0.0.1"
     worker = json.loads(outputs["files/spark-b/container.json"])
-    assert worker["command"][2:4] == ["--address", "10.0.0.1:6379"]
+    assert worker["command"][3:7] == ["ray", "start", "--address", "10.0.0.1:6379"]
     assert worker["command"][worker["command"].index("--node-ip-address") + 1] == "10.0.0.2"
     run = outputs["files/spark-b/docker-run.sh"]
     assert "--ulimit memlock=-1 --ulimit stack=67108864" in run and "--gpus all" in run

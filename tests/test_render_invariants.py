@@ -740,6 +740,11 @@ def check_secrets_come_on_stdin(script: str, engine: str) -> None:
 
 
 def check_ray_command(ex: Any, node: Any, command: list[str], ray_port: str) -> None:
+    # Unless ray.metrics asks for Ray's Prometheus servers as Ray binds them, `ray start` runs with the loopback
+    # sitecustomize's directory first on PYTHONPATH (the image's own PYTHONPATH kept behind it).
+    prefix = [] if ex.get("ray.metrics", False) else [
+        "/bin/sh", "-c", 'PYTHONPATH="/etc/hy3spark/ray-python${PYTHONPATH:+:$PYTHONPATH}" exec "$0" "$@"']
+    assert command[:len(prefix)] == prefix and command[len(prefix):][:2] == ["ray", "start"], command
     assert flag_values(command, "--node-ip-address") == [node.ip]
     assert flag_values(command, "--num-gpus") == [str(node.gpus)]
     if node.head:

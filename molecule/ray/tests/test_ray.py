@@ -38,7 +38,8 @@ def test_head_container_runs_the_rendered_command_with_its_own_address() -> None
     info = json.loads(node().check_output(f"docker inspect {CONTAINER}"))[0]
     rendered = json.loads((RENDERED / "files" / NODE / "container.json").read_text())
     assert info["Config"]["Cmd"] == rendered["command"]
-    assert rendered["command"][:3] == ["ray", "start", "--head"]
+    # sh puts the loopback sitecustomize first on PYTHONPATH, then execs `ray start` (ray.metrics is off).
+    assert rendered["command"][:2] == ["/bin/sh", "-c"] and rendered["command"][3:6] == ["ray", "start", "--head"]
     assert rendered["command"][rendered["command"].index("--node-ip-address") + 1] == IP
     assert "--include-dashboard=false" in rendered["command"]
     env = dict(e.split("=", 1) for e in info["Config"]["Env"])
@@ -80,6 +81,23 @@ def test_every_listening_port_is_in_the_rendered_table() -> None:
     table = (RENDERED / "files" / NODE / "etc/hy3spark/ports.txt").read_text()
     stray = scenario.stray_listeners(node(), table)
     assert not stray, f"listening but not in ports.txt as bound: {stray}\n{table}"
+
+
+PROMETHEUS_GET = ("import sys, urllib.request\n"
+                  "for port in sys.argv[1:]:\n"
+                  "    with urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10) as r:\n"
+                  "        print(port, r.status, b'# TYPE' in r.read())\n")
+
+
+def test_rays_prometheus_servers_are_on_loopback_only() -> None:
+    """ray.metrics is off: the dashboard head's (44227) and the autoscaler's (44217) Prometheus servers, which Ray
+    binds to every address, listen on 127.0.0.1 through roles/ray_node's sitecustomize, and still answer there."""
+    held = {port: addr for addr, port in scenario.listeners(node()) if port in (44217, 44227)}
+    assert held == {44217: "127.0.0.1", 44227: "127.0.0.1"}, held
+    shim = node().file("/etc/hy3spark/ray-python/sitecustomize.py")
+    assert (shim.mode, shim.user) == (0o644, "root")
+    out = node().check_output("docker exec %s python3 -c %s 44217 44227", CONTAINER, PROMETHEUS_GET)
+    assert out.split("\n") == ["44217 200 True", "44227 200 True"], out
 
 
 def test_rotating_the_token_restarts_ray_with_the_new_one() -> None:
