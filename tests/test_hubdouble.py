@@ -103,6 +103,15 @@ def test_dropped_connection_resumes_with_range(repo_dir: Path, tmp_path: Path) -
         assert sum(r["bytes"] for r in big) == hub.index.files[BIG].size + (cut - chunk)
 
 
+def _size(path: Path) -> int:
+    """A file's size, 0 once it is gone: a small file's .incomplete is renamed when it completes, between the glob
+    that found it and this stat."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_killed_download_then_rerun_completes(repo_dir: Path, tmp_path: Path) -> None:
     """A SIGKILLed download leaves the cache incomplete; the next call fetches what is missing."""
     code = _DOWNLOAD.replace("print(", "0 and print(")
@@ -112,7 +121,7 @@ def test_killed_download_then_rerun_completes(repo_dir: Path, tmp_path: Path) ->
         blobs = tmp_path / "models--hubdouble--tiny-model" / "blobs"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and proc.poll() is None and not any(
-                p.stat().st_size > MIB for p in blobs.glob("*.incomplete")):
+                _size(p) > MIB for p in blobs.glob("*.incomplete")):
             time.sleep(0.05)
         assert proc.poll() is None, "the download finished before it could be killed"
         proc.kill()
