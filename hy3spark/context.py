@@ -48,6 +48,21 @@ RAY_PYTHON_DIR = f"{CONFIG_DIR}/ray-python"
 RAY_PYTHONPATH_ARGV = ["/bin/sh", "-c", f'PYTHONPATH="{RAY_PYTHON_DIR}${{PYTHONPATH:+:$PYTHONPATH}}" exec "$0" "$@"']
 # The mpi launcher's files on every node: the Open MPI hostfile (mounted where OMPI_MCA_orte_default_hostfile points
 # in the container), and the sshd's and mpirun's ssh configs, which its role writes with the cluster's key pair.
+# Restarts (docs/restarts.md): each node's boot unit starts its container after the fabric address and Docker; on
+# the head the supervisor restarts the engine when it is gone and a start can succeed. Its files live outside
+# /etc/hy3spark, which every node container mounts: nothing in a container can change what the host runs.
+UNIT_DIR = "/etc/systemd/system"
+NODE_UNIT = "hy3spark-node.service"
+SUPERVISOR_UNIT = "hy3spark-supervisor.service"
+LIB_DIR = "/usr/local/lib/hy3spark"
+SUPERVISOR_CONFIG = f"{LIB_DIR}/supervisor.json"
+SUPERVISOR_STATE = f"{STATE_DIR}/supervisor.json"
+# Launchers whose readiness gate exists (roles/vllm_serve/files/launchers/<launcher>/ready.py): the supervisor needs
+# one to know that a start can succeed. The others get the boot units only (docs/restarts.md says why).
+SUPERVISED_LAUNCHERS = ("ray",)
+# After a failed start the supervisor waits 10 s, then 30 s, then 60 s before each next one.
+RESTART_BACKOFF_S = [10, 30, 60]
+
 MPI_HOSTFILE = f"{CONFIG_DIR}/openmpi-hostfile"
 MPI_CONTAINER_HOSTFILE = "/etc/openmpi-hostfile"
 MPI_DIR = f"{CONFIG_DIR}/mpi"
@@ -182,6 +197,25 @@ class Firewall(TypedDict):
     peers: list[str]  # every node's fabric address: the only sources of the cluster-internal ports
 
 
+class Restarts(TypedDict):
+    """`hy3spark.restarts`: the boot units and the engine's supervisor (docs/restarts.md)."""
+    enabled: bool
+    # enabled, and the launcher has a readiness gate: the head runs the supervisor. Else only the boot units.
+    supervised: bool
+    max_failed_starts: int
+    window_s: int
+    node_unit: str  # on every node: its container at boot, after the fabric address and Docker
+    supervisor_unit: str  # on the head
+    unit_dir: str
+    lib_dir: str  # the supervisor, engine.py and the launcher's gate, on the head's host
+    config: str  # the supervisor's config (templates/supervisor.json.j2)
+    state_file: str  # what it did last; `hy3spark status` reads it
+    # What the gate requires free on every node before a start: the plan's per-rank request on GPU nodes, 0 where
+    # the GPU is a double (container.gpus false).
+    need_bytes: int
+    backoff_s: list[int]
+
+
 class Earlyoom(TypedDict):
     policy: str
     args: str
@@ -225,6 +259,7 @@ class Group(TypedDict):
     mpi: Mpi | None
     ray: Ray
     firewall: Firewall
+    restarts: Restarts
     earlyoom: Earlyoom
     plan: Plan
     pi_models: dict[str, Any]
@@ -615,6 +650,20 @@ def build_context(loaded: Loaded) -> Context:
             "remove_on_teardown": spec.firewall.remove_on_teardown,
             "interface": spec.fabric.interfaces[0] if spec.fabric is not None else None,
             "peers": [str(n.fabric_ip.ip) for n in spec.nodes if n.fabric_ip is not None],
+        },
+        "restarts": {
+            "enabled": spec.restarts.enabled,
+            "supervised": spec.restarts.enabled and spec.serving.launcher in SUPERVISED_LAUNCHERS,
+            "max_failed_starts": spec.restarts.max_failed_starts,
+            "window_s": spec.restarts.window_minutes * 60,
+            "node_unit": NODE_UNIT,
+            "supervisor_unit": SUPERVISOR_UNIT,
+            "unit_dir": UNIT_DIR,
+            "lib_dir": LIB_DIR,
+            "config": SUPERVISOR_CONFIG,
+            "state_file": SUPERVISOR_STATE,
+            "need_bytes": plan["requested_bytes"] if spec.container.gpus else 0,
+            "backoff_s": list(RESTART_BACKOFF_S),
         },
         "earlyoom": {
             "policy": spec.earlyoom.policy,

@@ -143,12 +143,21 @@ def render_all(loaded: Loaded) -> list[Output]:
             if node["role"] == "head":
                 outputs.append(Output(f"{root}{group['mpi']['ssh_config']}", "serve",
                                       tpl("mpi-ssh_config.j2", hy3spark_node=node)))
+        restarts = group["restarts"]
+        if restarts["enabled"]:  # docs/restarts.md: the container at boot; on the head, the engine's supervisor
+            outputs.append(Output(f"{root}{restarts['unit_dir']}/{restarts['node_unit']}", "units",
+                                  tpl("hy3spark-node.service.j2", hy3spark_node=node)))
+            if restarts["supervised"] and node["role"] == "head":
+                outputs.append(Output(f"{root}{restarts['unit_dir']}/{restarts['supervisor_unit']}", "units",
+                                      tpl("hy3spark-supervisor.service.j2", hy3spark_node=node)))
+                outputs.append(Output(f"{root}{restarts['config']}", "units",
+                                      tpl("supervisor.json.j2", hy3spark_node=node)))
     outputs.append(Output("files/pi/models.json", "pi", tpl("pi-models.json.j2")))
     outputs.append(Output("files/pi/settings.json", "pi", tpl("pi-settings.json.j2")))
     return outputs
 
 
-KINDS = ("inventory", "netplan", "earlyoom", "env", "container", "ports", "firewall", "serve", "pi")
+KINDS = ("inventory", "netplan", "earlyoom", "env", "container", "ports", "firewall", "serve", "units", "pi")
 
 
 def select(outputs: list[Output], only: str | None) -> list[Output]:

@@ -431,6 +431,30 @@ class Earlyoom(SpecModel):
     prefer: list[EarlyoomPattern] = Field(default_factory=lambda: ["chrome", "chromium", "firefox", "code"])
 
 
+class Restarts(SpecModel):
+    """The engine comes back by itself (docs/restarts.md): each node's container starts at boot (a systemd unit per
+    node, after the fabric address and Docker), and a supervisor on the head restarts an engine that exited once Ray
+    shows every node and GPU, every node has the memory the plan needs and no previous engine's process is left.
+    After `max_failed_starts` starts that never became healthy within `window_minutes` it gives up, leaving the node
+    as it is, and `hy3spark status` says why."""
+
+    enabled: bool = Field(default=True, description="false (or `restarts: off`) deploys no boot units and no "
+                                                    "supervisor: nothing comes back without an Ansible run")
+    max_failed_starts: Annotated[int, Field(ge=1, le=100)] = Field(
+        default=3, description="failed starts (never healthy within serving.health_timeout_s) before giving up")
+    window_minutes: Annotated[int, Field(ge=1, le=10080)] = Field(
+        default=15, description="the window the failed starts are counted in")
+
+
+def _restarts_switch(value: Any) -> Any:
+    """`restarts: off` (or false/on/true) is the short form of `restarts: {enabled: ...}`."""
+    if value is False or value == "off":
+        return {"enabled": False}
+    if value is True or value == "on":
+        return {"enabled": True}
+    return value
+
+
 class Hardware(SpecModel):
     total_memory_gib: Annotated[FiniteFloat, Field(gt=0, le=4096)] = Field(
         default=121.69, description="what the engine sees as GPU total per node (GB10: 121.69 GiB)"
@@ -461,6 +485,7 @@ class Spec(SpecModel):
     container: Container = Container()
     earlyoom: Earlyoom = Earlyoom()
     firewall: Annotated[Firewall, BeforeValidator(_firewall_switch)] = Firewall()
+    restarts: Annotated[Restarts, BeforeValidator(_restarts_switch)] = Restarts()
     hardware: Hardware = Hardware()
     pi: Pi = Pi()
 

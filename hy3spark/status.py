@@ -48,8 +48,45 @@ def collect_status(loaded: Loaded, runs_dir: Path, limit: str | None = None,
         "kv_lines": kv_lines_of(loaded.spec, lines),
         "transport": _transport(lines),
         "last_run": last_record(runs_dir, loaded.spec.name),
+        "supervisor": head.get("supervisor") or None,
     }
+    for node in nodes.values():
+        node["units"] = parse_units(node.get("units") or {})
     return result, summary
+
+
+def parse_units(shown: dict[str, str]) -> dict[str, dict[str, str]]:
+    """unit -> its `systemctl show` fields, for the units systemd has loaded (a unit not installed is left out)."""
+    units = {}
+    for name, text in shown.items():
+        fields = dict(line.split("=", 1) for line in str(text).splitlines() if "=" in line)
+        if fields.get("LoadState") == "loaded":
+            units[name] = fields
+    return units
+
+
+def describe_units(units: dict[str, dict[str, str]]) -> str:
+    """`hy3spark-node.service active, enabled, 2 restarts` per unit; `none` when no unit of ours is installed."""
+    parts = []
+    for name, f in units.items():
+        restarts = int(f.get("NRestarts") or 0)
+        parts.append(f"{name} {f.get('ActiveState')}, {f.get('UnitFileState')}"
+                     + (f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else ""))
+    return "; ".join(parts) or "none"
+
+
+def describe_supervisor(state: dict[str, Any] | None) -> str | None:
+    """What the head's supervisor did last (docs/restarts.md), as one line; None when it never ran."""
+    if not state:
+        return None
+    restarts = f"{state.get('restarts', 0)} restart(s), {state.get('starts', 0)} start(s)"
+    what = state.get("state")
+    if what == "gave-up":
+        return f"supervisor: {state.get('cause')} (since {state.get('since')}; {restarts})"
+    if what == "serving":
+        return f"supervisor: serving, engine PID {state.get('pid')} (since {state.get('since')}; {restarts})"
+    cause = f": {state['cause']}" if state.get("cause") else ""
+    return f"supervisor: {what}{cause} (since {state.get('since')}; {restarts})"
 
 
 def kv_lines_of(spec: Spec, lines: list[str]) -> list[str]:
@@ -84,7 +121,7 @@ def print_status(summary: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
 
     console = console or Console()
-    columns = ("node", "role", "containers", "image", "memory", "ray", "vllm")
+    columns = ("node", "role", "containers", "units", "image", "memory", "ray", "vllm")
     rows = []
     for name, node in summary["nodes"].items():
         # The engine's unit on the host (an operator's engine venv, no container) stands beside the containers.
@@ -95,7 +132,7 @@ def print_status(summary: dict[str, Any], console: Any = None) -> None:
                                 *([f"{unit.get('unit')} ({unit.get('ActiveState')}{venv})"] if unit else [])]) or "none"
         versions = node.get("versions", {})
         image = str(node.get("image_id") or "").split(":")[-1][:12] or "absent"
-        rows.append((name, str(node.get("role")), containers, image,
+        rows.append((name, str(node.get("role")), containers, describe_units(node.get("units") or {}), image,
                      f"{int(node.get('mem_available_bytes') or 0) / (1 << 30):.1f} GiB free",
                      versions.get("ray") or "-", versions.get("vllm") or "-"))
     ray, endpoint = summary["ray"], summary["endpoint"]
@@ -107,6 +144,9 @@ def print_status(summary: dict[str, Any], console: Any = None) -> None:
              *(f"  {line.split('] ')[-1]}" for line in summary["kv_lines"])]
     if summary["transport"]:
         lines.append(f"NCCL transport: {summary['transport']}")
+    supervisor = describe_supervisor(summary.get("supervisor"))
+    if supervisor:
+        lines.append(supervisor)
     last = summary.get("last_run")
     if last:
         lines.append(f"last run: {last.get('started')} {last.get('status')} ({last.get('file')})")

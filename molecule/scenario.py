@@ -11,7 +11,8 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import testinfra
@@ -211,3 +212,55 @@ def stray_listeners(host: testinfra.host.Host, ports_txt: str) -> list[str]:
         if not match or (match[0][2] != "0.0.0.0" and addr not in {match[0][2], "127.0.0.1"}):
             stray.append(f"{addr}:{port}")
     return stray
+
+
+# --- restarts (docs/restarts.md): the boot units and the head's supervisor ------------------------------------------
+SUPERVISOR_STATE = "/var/lib/hy3spark/supervisor.json"
+SUPERVISOR_CONFIG = "/usr/local/lib/hy3spark/supervisor.json"
+NODE_UNIT, SUPERVISOR_UNIT = "hy3spark-node.service", "hy3spark-supervisor.service"
+
+
+def supervisor_state(host: str) -> dict:
+    """What the head's supervisor wrote last ({} before its first write)."""
+    out = node(host).run(f"cat {SUPERVISOR_STATE}")
+    return json.loads(out.stdout) if out.rc == 0 and out.stdout.strip() else {}
+
+
+def unit(host: str, name: str) -> dict[str, str]:
+    """ActiveState, SubState, UnitFileState and NRestarts of a systemd unit on the node."""
+    out = node(host).check_output(f"systemctl show {name} --property ActiveState,SubState,UnitFileState,NRestarts")
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float, every: float = 1.0) -> tuple[object, float]:
+    """Poll `check` until it returns something true: (that value, seconds waited). Fails naming `what` and the last
+    value or exception after `timeout` seconds."""
+    start = time.monotonic()
+    last: object = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last, round(time.monotonic() - start, 1)
+        except Exception as exc:  # the node is rebooting, the endpoint is not up yet
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() - start >= timeout:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {str(last)[:2000]})")
+        time.sleep(every)
+
+
+def reboot(*names: str) -> None:
+    """Restart the node containers themselves, as a reboot would: their systemd stops every unit (our containers
+    with them), then boots again; Docker's state survives (/var/lib/docker is a volume), /run and /tmp do not."""
+    subprocess.run(["docker", "restart", "--time", "60", *names], check=True, capture_output=True, timeout=300)
+
+
+def answers(host: str, served: str, key: str) -> bool:
+    """Whether the endpoint on `host` answers a completion now."""
+    status, body = api(host, "/v1/completions", {"model": served, "prompt": "Hello", "max_tokens": 4}, key)
+    return status == 200 and bool(body["choices"][0]["text"].strip())
+
+
+def report_recovery(case: str, seconds: float) -> None:
+    """The measured time to recover, on the test's output (`pytest -s`) and in the scenario's log."""
+    print(f"\nRECOVERY {case}: {seconds:.1f} s to a served completion, no Ansible run", flush=True)

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
@@ -76,7 +76,7 @@ def file_format(path: str) -> str:
     if name in NFT_SCRIPTS:
         return "nft"
     suffix = PurePosixPath(path).suffix
-    formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
+    formats = {".yml": "yaml", ".yaml": "yaml", ".json": "json", ".sh": "sh", ".env": "env", ".service": "systemd"}
     if suffix not in formats:
         raise AssertionError(f"{path}: no soundness check knows this file's format; add it to tests/soundness.py")
     return formats[suffix]
@@ -108,6 +108,19 @@ def _nft_problems(path: str, text: str) -> list[str]:
     if text.count("{") != text.count("}"):
         found.append(f"{path}: unbalanced braces")
     return found
+
+
+def _unit_problems(path: str, text: str) -> list[str]:
+    """systemd's own reading of a unit (`systemd-analyze verify`): it exits 0 on a key it ignores, so every line
+    it prints about the file counts."""
+    name = PurePosixPath(path).name
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / name
+        unit.write_text(text)
+        proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if name in line]
+    return [f"{path}: systemd-analyze verify: {line}" for line in said] or (
+        [] if proc.returncode == 0 else [f"{path}: systemd-analyze verify exited {proc.returncode}"])
 
 
 def problems(path: str, text: str) -> list[str]:
@@ -145,6 +158,8 @@ def problems(path: str, text: str) -> list[str]:
                 if line.strip() and not line.startswith("#") and not PORT_LINE.fullmatch(line)]
     if fmt == "nft":
         return _nft_problems(path, text)
+    if fmt == "systemd":
+        return _unit_problems(path, text)
     if fmt == "hostfile":
         return [f"{path}:{number}: not a `HOST slots=N` line: {line!r}"
                 for number, line in enumerate(text.split("\n"), 1)

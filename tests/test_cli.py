@@ -27,7 +27,7 @@ def test_help_explains_commands_and_exit_codes() -> None:
 def test_module_render_no_arguments() -> None:
     proc = run("render")
     assert proc.returncode == 0
-    assert proc.stdout.count("==> ") == 22
+    assert proc.stdout.count("==> ") == 26
     assert "is not a commit sha" in proc.stderr  # the default's moving revision is said, on stderr only
 
 

@@ -183,7 +183,7 @@ def test_render_json(cli) -> None:
 def test_render_out_then_diff(cli, tmp_path: Path) -> None:
     out = tmp_path / "r"
     result = cli("render", "--out", str(out))
-    assert result.code == 0 and "wrote 22 files" in result.out
+    assert result.code == 0 and "wrote 26 files" in result.out
     assert (out / "files/spark-a/etc/netplan/60-hy3spark-fabric.yaml").stat().st_mode & 0o777 == 0o600
     assert (out / "files/spark-a/etc/hy3spark/node.env").stat().st_mode & 0o777 == 0o600
     assert not list(out.rglob(".*.yml.*")), "no temp files left behind"

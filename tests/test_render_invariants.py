@@ -814,6 +814,12 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
         per_node["etc/hy3spark/openmpi-hostfile"] = 0o644
         per_node["etc/hy3spark/mpi/sshd_config"] = 0o644  # the MPI sshd's; mpirun's ssh config on the head
         head_only["etc/hy3spark/mpi/ssh_config"] = 0o644
+    # docs/restarts.md: every node's boot unit; the supervisor on the head under a launcher with a gate (Ray).
+    if ex.get("restarts", {}) not in (False, "off") and ex.get("restarts.enabled", True):
+        per_node["etc/systemd/system/hy3spark-node.service"] = 0o644
+        if ex.ray_launcher:
+            head_only = {**head_only, "etc/systemd/system/hy3spark-supervisor.service": 0o644,
+                         "usr/local/lib/hy3spark/supervisor.json": 0o644}
     want = {"files/pi/models.json": 0o644, "files/pi/settings.json": 0o644, "inventory/hosts.yml": 0o644,
             "inventory/group_vars/all/hy3spark.yml": 0o644}
     for node in ex.nodes:

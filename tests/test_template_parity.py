@@ -47,6 +47,11 @@ PARITY: dict[str, dict[str, object]] = {
     "ports.txt.j2": {"scope": "node", "path": "etc/hy3spark/ports.txt"},
     "firewall.nft.j2": {"scope": "node", "path": "etc/hy3spark/firewall.nft"},
     "docker-run.sh.j2": {"scope": "node", "path": "docker-run.sh"},
+    "hy3spark-node.service.j2": {"scope": "node", "path": "etc/systemd/system/hy3spark-node.service"},
+    "hy3spark-supervisor.service.j2": {
+        "scope": "node", "path": "etc/systemd/system/hy3spark-supervisor.service", "head_only": True,
+    },
+    "supervisor.json.j2": {"scope": "node", "path": "usr/local/lib/hy3spark/supervisor.json", "head_only": True},
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},
     "pi-settings.json.j2": {"scope": "cluster", "path": "pi/settings.json"},
 }

@@ -41,7 +41,8 @@ TEMPLATES = REPO / "templates"
 FQCN = "hy3spark.cluster."
 
 # A template's output format, by the name it renders to (the template name without .j2).
-FORMAT_BY_SUFFIX = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".sh": "sh", ".env": "env"}
+FORMAT_BY_SUFFIX = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".sh": "sh", ".env": "env",
+                    ".service": "systemd"}
 FORMAT_BY_NAME = {
     "earlyoom.j2": "env",  # /etc/default/earlyoom: systemd's EnvironmentFile= of earlyoom.service
     "openmpi-hostfile.j2": "hostfile",  # Open MPI's hostfile: one `HOST slots=N` line per node, `#` comments
@@ -74,9 +75,12 @@ SERIALISERS: dict[str, set[tuple[str, ...]]] = {
     # '_', '.', '-': one token, and inside "..." nothing that ends the quotes, which have no escapes, or makes a
     # wildcard), a port through int. No to_json or quote: nft's strings are not JSON's or the shell's.
     "nft": {(f"{FQCN}nft_address",), (f"{FQCN}nft_name",), ("int",)},
+    # A systemd unit (docs/restarts.md): each value one word systemd reads literally (systemd_word: no blank, quote,
+    # backslash, $ or %, so it is neither split, unquoted, expanded nor a specifier), `#` comments.
+    "systemd": {(f"{FQCN}systemd_word",)},
 }
 # formats with `#` line comments (JSON has none)
-COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh", "text", "nft"}
+COMMENTS = {"yaml", "sh", "env", "sourced-env", "hostfile", "ssh", "text", "nft", "systemd"}
 COMMENT_SERIALISERS = {(f"{FQCN}one_line",)}
 # ("templates/<name>", dotted name) -> why it may be emitted without a serialiser. Only values no spec can set.
 ALLOW_BARE: dict[tuple[str, str], str] = {}
@@ -312,3 +316,14 @@ def test_the_nft_serialisers_pass_addresses_and_names_and_refuse_the_rest() -> N
     for bad in ('eth0" accept', "eth*", "-x", "a b", "eth0;drop", "", "a\\b"):
         with pytest.raises(FILTERS.UnsafeValue, match=r"^iface: "):
             FILTERS.nft_name(bad, "iface")
+
+
+def test_systemd_word_passes_literal_words_and_refuses_what_systemd_would_read_otherwise() -> None:
+    for word in ("hy3-head", "10.95.0.11", "/usr/local/lib/hy3spark/supervisor.json", "hy3spark-node.service"):
+        assert FILTERS.systemd_word(word, "unit") == word
+    # split (blank), unquoted ('"), unescaped (\), expanded ($), a specifier (%), a command separator (;), a comment
+    # (#), an Exec prefix (- @ : + !), a line break, no text at all.
+    for bad in ("a b", 'a"b', "a'b", "a\\b", "$HOME", "%n", "a;b", "#x", "-x", "@x", ":x", "+x", "!x", "a\nb", "",
+                None):
+        with pytest.raises(FILTERS.UnsafeValue, match=r"^unit: "):
+            FILTERS.systemd_word(bad, "unit")

@@ -14,6 +14,9 @@ shell words through `quote`, and these:
     nft_name(value, what)          a name in an nftables script (a table, an interface inside "..."): letters,
                                    digits, '_', '.', '-' only, so it can neither end nft's quotes (which have no
                                    escapes), nor be a wildcard (a trailing '*'), nor start a new statement
+    systemd_word(value, what)      one word of a systemd unit file's setting (an Exec*= argument, a Description=
+                                   word): letters, digits and _ . , : / @ + = - only, so systemd neither splits it,
+                                   nor unquotes or unescapes it, nor expands a $VARIABLE or a %specifier in it
 
 They never escape: a value that cannot be written safely is refused with an error naming its key, so a file that
 means something other than the spec is never written. The same templates are rendered by `hy3spark render`
@@ -39,6 +42,9 @@ LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029\x00"
 NFT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 # Inside EnvironmentFile='s double quotes a backslash escapes ", \, ` and $; " ends the value.
 IN_DOUBLE_QUOTES = '"\\`'
+# What systemd reads literally in a unit file's words: no blank, quote, backslash, '$' (variables in Exec*=), '%'
+# (specifiers), ';' (a command separator in ExecStart=) or '#'; not starting with one of Exec*='s prefixes (-@:+!).
+SYSTEMD_WORD = re.compile(r"[A-Za-z0-9_./][A-Za-z0-9_.,:/@+=-]*")
 
 
 class UnsafeValue(ValueError):
@@ -95,6 +101,14 @@ def nft_name(value: Any, what: str = "name") -> str:
     return text
 
 
+def systemd_word(value: Any, what: str = "word") -> str:
+    text = _text(value, what)
+    if not SYSTEMD_WORD.fullmatch(text):
+        raise UnsafeValue(f"{what}: {text!r} is not one word systemd reads literally (letters, digits and "
+                          "_ . , : / @ + = - only, not starting with one of - @ : + ! = ,)")
+    return text
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
@@ -103,4 +117,5 @@ class FilterModule:
             "one_line": one_line,
             "nft_address": nft_address,
             "nft_name": nft_name,
+            "systemd_word": systemd_word,
         }

@@ -76,6 +76,14 @@ def worker_engine_killed() -> Iterator[None]:
 # --- the serving pair, as converge and idempotence left it ----------------------------------------------------------
 
 
+def test_restarts_off_deploys_no_unit_and_no_supervisor() -> None:
+    """`restarts: off` in this scenario's spec: no boot unit on any node, no supervisor on the head."""
+    for name in NODES:
+        for unit in (scenario.NODE_UNIT, scenario.SUPERVISOR_UNIT):
+            assert scenario.unit(name, unit)["UnitFileState"] == "", (name, unit)
+            assert not node(name).file(f"/etc/systemd/system/{unit}").exists, (name, unit)
+
+
 def test_no_ray_anywhere_and_each_container_holds_its_node() -> None:
     for name in NODES:
         info = json.loads(node(name).check_output(f"docker inspect {CONTAINER[name]}"))[0]

@@ -66,6 +66,14 @@ def serves() -> None:
 # --- the serving pair, as converge and idempotence left it ----------------------------------------------------------
 
 
+def test_restarts_off_deploys_no_unit_and_no_supervisor() -> None:
+    """`restarts: off` in this scenario's spec: no boot unit on any node, no supervisor on the head."""
+    for name in NODES:
+        for unit in (scenario.NODE_UNIT, scenario.SUPERVISOR_UNIT):
+            assert scenario.unit(name, unit)["UnitFileState"] == "", (name, unit)
+            assert not node(name).file(f"/etc/systemd/system/{unit}").exists, (name, unit)
+
+
 def test_mpirun_on_the_head_started_one_rank_on_each_node() -> None:
     head = ranks(HEAD)
     assert [argv[0] for argv in head.values()] == ["mpirun"], head

@@ -11,7 +11,9 @@ Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, n
 
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
   stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
-  wait SCRIPT URL TIMEOUT_S LOG LINES         until /health answers 200; stop at once if the engine died
+  wait SCRIPT URL TIMEOUT_S LOG LINES [APPEAR_S]
+                                             until /health answers 200; stop at once if the engine died (a
+                                             fresh start gets APPEAR_S, default 5, to appear)
   ranks SCRIPT LOG LINES                      a node that serves no API: its engine PIDs and its log's last lines
 
 What only one engine needs is not here: it lives beside that engine's task files (files/engines/<engine>/).
@@ -61,7 +63,9 @@ def _in_unit(pid: int) -> bool:
 
 
 def _is_engine(argv: list[str], script: str) -> bool:
-    if script in argv:
+    # The script as what runs (`bash SCRIPT`, or SCRIPT itself), never as an argument: a probe like this one
+    # (`python3 - status SCRIPT ...`), which the supervisor and a role may run at the same time, is no engine.
+    if script in argv[:2]:
         return True
     exe, arg = ENGINE.get("process", {}).get("exe"), ENGINE.get("process", {}).get("arg")
     return any(os.path.basename(a) == exe and argv[i + 1:i + 2] == [arg] for i, a in enumerate(argv))
@@ -150,15 +154,15 @@ def status(script: str, url: str, log: str) -> dict:
     return report
 
 
-def wait(script: str, url: str, timeout: float, log: str, lines: int) -> dict:
+def wait(script: str, url: str, timeout: float, log: str, lines: int, appear: float = 5.0) -> dict:
     start = time.monotonic()
     report = {"healthy": False, "alive": False, "pid": None, "waited_s": 0.0, "health": None}
     while True:
         pids = engines(script)
         report["pid"] = pids[0] if pids else None
         report["alive"] = bool(pids)
-        if not pids and time.monotonic() - start > 5:
-            break  # the engine exited (a fresh `docker exec -d` gets 5 s to appear)
+        if not pids and time.monotonic() - start > appear:
+            break  # the engine exited (a fresh start gets `appear` seconds to show up)
         if pids:
             report["healthy"], report["health"] = _health(url)
         if report["healthy"] or time.monotonic() - start >= timeout:
@@ -190,7 +194,7 @@ def main() -> None:
     elif cmd == "stop":
         result = stop(args[0], float(args[1]))
     elif cmd == "wait":
-        result = wait(args[0], args[1], float(args[2]), args[3], int(args[4]))
+        result = wait(args[0], args[1], float(args[2]), args[3], int(args[4]), *(float(a) for a in args[5:6]))
     elif cmd == "ranks":
         result = ranks(args[0], args[1], int(args[2]))
     else:
