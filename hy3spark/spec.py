@@ -411,8 +411,8 @@ class Firewall(SpecModel):
                                                                 "a torn-down node stays closed)")
 
 
-def _firewall_switch(value: Any) -> Any:
-    """`firewall: off` (or false/on/true) is the short form of `firewall: {enabled: ...}`."""
+def _switch(value: Any) -> Any:
+    """`firewall: off`, `restarts: off` (or false/on/true) are the short forms of `{enabled: ...}`."""
     if value is False or value == "off":
         return {"enabled": False}
     if value is True or value == "on":
@@ -446,15 +446,6 @@ class Restarts(SpecModel):
         default=15, description="the window the failed starts are counted in")
 
 
-def _restarts_switch(value: Any) -> Any:
-    """`restarts: off` (or false/on/true) is the short form of `restarts: {enabled: ...}`."""
-    if value is False or value == "off":
-        return {"enabled": False}
-    if value is True or value == "on":
-        return {"enabled": True}
-    return value
-
-
 class Hardware(SpecModel):
     total_memory_gib: Annotated[FiniteFloat, Field(gt=0, le=4096)] = Field(
         default=121.69, description="what the engine sees as GPU total per node (GB10: 121.69 GiB)"
@@ -484,8 +475,8 @@ class Spec(SpecModel):
     ray: Ray = Ray()
     container: Container = Container()
     earlyoom: Earlyoom = Earlyoom()
-    firewall: Annotated[Firewall, BeforeValidator(_firewall_switch)] = Firewall()
-    restarts: Annotated[Restarts, BeforeValidator(_restarts_switch)] = Restarts()
+    firewall: Annotated[Firewall, BeforeValidator(_switch)] = Firewall()
+    restarts: Annotated[Restarts, BeforeValidator(_switch)] = Restarts()
     hardware: Hardware = Hardware()
     pi: Pi = Pi()
 

@@ -93,20 +93,21 @@ def nft_address(value: Any, what: str = "address") -> str:
             from None
 
 
-def nft_name(value: Any, what: str = "name") -> str:
+def _word(value: Any, what: str, grammar: re.Pattern[str], reader: str) -> str:
     text = _text(value, what)
-    if not NFT_NAME.fullmatch(text):
-        raise UnsafeValue(f"{what}: {text!r} is not a name nftables reads as one (letters, digits, '_', '.', '-'; "
-                          "not starting with '-' or '.')")
+    if not grammar.fullmatch(text):
+        raise UnsafeValue(f"{what}: {text!r} is not {reader}")
     return text
+
+
+def nft_name(value: Any, what: str = "name") -> str:
+    return _word(value, what, NFT_NAME, "a name nftables reads as one (letters, digits, '_', '.', '-'; not starting "
+                                         "with '-' or '.')")
 
 
 def systemd_word(value: Any, what: str = "word") -> str:
-    text = _text(value, what)
-    if not SYSTEMD_WORD.fullmatch(text):
-        raise UnsafeValue(f"{what}: {text!r} is not one word systemd reads literally (letters, digits and "
-                          "_ . , : / @ + = - only, not starting with one of - @ : + ! = ,)")
-    return text
+    return _word(value, what, SYSTEMD_WORD, "one word systemd reads literally (letters, digits and _ . , : / @ + = - "
+                                            "only, not starting with one of - @ : + ! = ,)")
 
 
 class FilterModule:

@@ -293,13 +293,13 @@ def test_engine_that_exits_at_every_start_gives_up_after_three() -> None:
         runs = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) / "status-runs"
         extra = runs / "inventory" / "ray-single" / "inventory" / "group_vars" / "all"
         extra.mkdir(parents=True, exist_ok=True)
-        # The spec's ssh_user (the inventory's ansible_user) has no home on the test node: the uri module's
-        # temporary directory goes to /tmp.
         (extra / "test-machine.yml").write_text("ansible_connection: community.docker.docker\n"
-                                                "ansible_pipelining: true\nansible_remote_tmp: /tmp/.ansible-tmp\n")
+                                                "ansible_pipelining: true\n")
+        # The spec's ssh_user (the rendered inventory's ansible_user) is no user of the test node, where Molecule's
+        # runs are root: the same here, over the inventory's host variable.
         status = subprocess.run([sys.executable, "-m", "hy3spark", "status", str(SCENARIO / "cluster.yml"),
-                                 "--runs-dir", str(runs)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                                check=False)
+                                 "--runs-dir", str(runs), "-e", "ansible_user=root"], cwd=REPO, capture_output=True,
+                                text=True, timeout=300, check=False)
         out = status.stdout + status.stderr
         assert status.returncode == 0, out
         assert "supervisor: gave up after 3 starts in 15 min: " in status.stdout, out
