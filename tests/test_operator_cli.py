@@ -466,8 +466,12 @@ def test_status_for_people_names_every_node_in_full(cluster: Cluster, capsys: py
     status.print_status(cluster.state["status"])  # not a terminal: plain lines
     plain = capsys.readouterr().out
     for name in NODES:
-        assert re.search(rf"^{name}  \w+  containers {CONTAINERS[name]} \(running\)  image [0-9a-f]{{12}}  "
-                         r"memory [\d.]+ GiB free  ray 2\.60\.0  vllm 0\.23\.0\+testdouble$", plain, re.M), plain
+        # docs/restarts.md: the node's boot unit on every node, the engine's supervisor on the head.
+        units = "hy3spark-node.service active, enabled" + (
+            "; hy3spark-supervisor.service active, enabled" if name == HEAD else "")
+        assert re.search(rf"^{name}  \w+  containers {CONTAINERS[name]} \(running\)  units {re.escape(units)}  "
+                         r"image [0-9a-f]{12}  memory [\d.]+ GiB free  ray 2\.60\.0  vllm 0\.23\.0\+testdouble$",
+                         plain, re.M), plain
     screen = io.StringIO()
     status.print_status(cluster.state["status"], Console(file=screen, force_terminal=True, width=80))
     table = screen.getvalue()
@@ -477,6 +481,7 @@ def test_status_for_people_names_every_node_in_full(cluster: Cluster, capsys: py
         assert f"endpoint http://{FABRIC[HEAD]}:8888: healthy; models: {SERVED}" in out
         assert "GPU KV cache size:" in out and "Maximum concurrency for 131,072 tokens per request:" in out
         assert f"last run: {json.loads(cluster.state['record'].read_text())['started']} successful" in out
+        assert re.search(r"^supervisor: serving, engine PID \d+ \(since ", out, re.M), out
 
 
 def test_logs_no_follow_prints_the_serve_log_tail(cluster: Cluster) -> None:

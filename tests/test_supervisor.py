@@ -79,10 +79,14 @@ class Rig:
         return found["pid"] if found["alive"] else None
 
     def start_engine(self) -> int:
+        """Start the engine as an Ansible run would, and wait until it answers /health."""
         with open(self.dir / "secrets.env") as secrets:
             subprocess.run([str(self.dir / "serve.sh")], stdin=secrets, check=True, env=self.env)
-        pid, _ = wait_for("the engine up", lambda: self.engine_pid(), 10)
-        return int(pid)
+        report, _ = wait_for("the engine healthy", lambda: (r := engine_py(
+            self, "status", str(self.dir / "serve.sh"), f"http://127.0.0.1:{self.port}/health",
+            str(self.dir / "serve.log"))).get("healthy") and r, 20)
+        assert isinstance(report, dict)
+        return int(report["pid"])
 
     def supervise(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, str(FILES / "supervisor.py"), "run", str(self.config)],
@@ -134,7 +138,8 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         "ready_args": [str(tmp_path / "gate")], "script": str(tmp_path / "serve.sh"),
         "secrets": str(tmp_path / "secrets.env"), "health_url": f"http://127.0.0.1:{port}/health",
         "log": str(tmp_path / "serve.log"), "log_lines": 20, "health_timeout_s": 5, "appear_s": 2, "stable_s": 1,
-        "unhealthy_s": 1, "poll_s": 0.2, "backoff_s": [0.5, 1.0], "max_failed_starts": 3, "window_s": 60,
+        "unhealthy_s": 1, "poll_s": 0.2, "health_every_s": 0.4, "backoff_s": [0.5, 1.0], "max_failed_starts": 3,
+        "window_s": 60,
         "stop_timeout_s": 5, "state_file": str(tmp_path / "state.json"), "run_record": str(tmp_path / "serve.json"),
     }
     (tmp_path / "supervisor.json").write_text(json.dumps(config))

@@ -10,6 +10,7 @@ processes of that unit (its cgroup) count: another engine someone runs beside it
 Prints one JSON line last and exits 0, except without HY3SPARK_ENGINE (exit 1, nothing recognisable).
 
   status SCRIPT URL LOG                       engine PIDs, whether /health answers now, the KV cache lines
+  pids SCRIPT                                 engine PIDs only (no /health request, which the engine logs)
   stop SCRIPT TIMEOUT_S                       SIGTERM, wait, then SIGKILL
   wait SCRIPT URL TIMEOUT_S LOG LINES [APPEAR_S]
                                              until /health answers 200; stop at once if the engine died (a
@@ -186,11 +187,14 @@ def ranks(script: str, log: str, lines: int) -> dict:
 
 def main() -> None:
     cmd, args = sys.argv[1], sys.argv[2:]
-    if cmd in ("status", "stop", "wait", "ranks") and not ENGINE.get("process"):
+    if cmd in ("status", "pids", "stop", "wait", "ranks") and not ENGINE.get("process"):
         # Without it no engine process can be recognised, and "none running" would start a second one: refuse.
         sys.exit("engine.py: HY3SPARK_ENGINE is not set; the role passes hy3spark.engine with docker exec -e")
     if cmd == "status":
         result = status(args[0], args[1], args[2])
+    elif cmd == "pids":
+        pids = engines(args[0])
+        result = {"pids": pids, "pid": pids[0] if pids else None, "alive": bool(pids)}
     elif cmd == "stop":
         result = stop(args[0], float(args[1]))
     elif cmd == "wait":

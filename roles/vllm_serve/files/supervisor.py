@@ -148,6 +148,10 @@ class Supervisor:
     def status(self) -> tuple[dict[str, Any] | None, str]:
         return self.engine("status", self.config["health_url"], self.config["log"])
 
+    def pids(self) -> tuple[dict[str, Any] | None, str]:
+        """Whether the engine's processes are there, without a /health request (the engine logs each one)."""
+        return self.engine("pids")
+
     def stop_engine(self) -> None:
         report, why = self.engine("stop", str(self.config["stop_timeout_s"]),
                                   timeout=float(self.config["stop_timeout_s"]) + PROBE_TIMEOUT_S)
@@ -186,12 +190,21 @@ class Supervisor:
         pid = self.state.get("pid")
         became_healthy = time.monotonic() - (float(self.config["stable_s"]) if adopted else 0.0)
         unhealthy_since: float | None = None
+        # The processes every poll_s; /health every health_every_s only: the engine logs each request, and a serve
+        # log full of health checks hides what an operator looks for.
+        next_health = time.monotonic() + float(self.config["health_every_s"])
         while True:
             self.sleep(float(self.config["poll_s"]))
-            report, why = self.status()
+            probe = self.status if time.monotonic() >= next_health else self.pids
+            report, why = probe()
             if report is None:  # docker could not run the probe: once more before calling the engine gone
                 self.sleep(2.0)
-                report, why = self.status()
+                report, why = probe()
+            if report is not None and "healthy" not in report:  # the processes only
+                if report.get("alive"):
+                    continue
+                report, why = self.status()  # gone: read once more, in full, before acting on it
+            next_health = time.monotonic() + float(self.config["health_every_s"])
             if report is None or not report.get("alive"):
                 self.state["restarts"] = int(self.state.get("restarts", 0)) + 1
                 cause = why or "the engine exited"
