@@ -54,7 +54,8 @@ RAY_PYTHONPATH_ARGV = ["/bin/sh", "-c", f'PYTHONPATH="{RAY_PYTHON_DIR}${{PYTHONP
 UNIT_DIR = "/etc/systemd/system"
 NODE_UNIT = "hy3spark-node.service"
 SUPERVISOR_UNIT = "hy3spark-supervisor.service"
-LIB_DIR = "/usr/local/lib/hy3spark"
+# A directory of its own: /usr/local/lib/hy3spark holds the network role's helpers too.
+LIB_DIR = "/usr/local/lib/hy3spark/supervisor"
 SUPERVISOR_CONFIG = f"{LIB_DIR}/supervisor.json"
 SUPERVISOR_STATE = f"{STATE_DIR}/supervisor.json"
 # Launchers whose readiness gate exists (roles/vllm_serve/files/launchers/<launcher>/ready.py): the supervisor needs

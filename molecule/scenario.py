@@ -216,7 +216,7 @@ def stray_listeners(host: testinfra.host.Host, ports_txt: str) -> list[str]:
 
 # --- restarts (docs/restarts.md): the boot units and the head's supervisor ------------------------------------------
 SUPERVISOR_STATE = "/var/lib/hy3spark/supervisor.json"
-SUPERVISOR_CONFIG = "/usr/local/lib/hy3spark/supervisor.json"
+SUPERVISOR_CONFIG = "/usr/local/lib/hy3spark/supervisor/supervisor.json"
 NODE_UNIT, SUPERVISOR_UNIT = "hy3spark-node.service", "hy3spark-supervisor.service"
 
 

@@ -819,7 +819,7 @@ def test_render_writes_exactly_what_it_previews(name: str) -> None:
         per_node["etc/systemd/system/hy3spark-node.service"] = 0o644
         if ex.ray_launcher:
             head_only = {**head_only, "etc/systemd/system/hy3spark-supervisor.service": 0o644,
-                         "usr/local/lib/hy3spark/supervisor.json": 0o644}
+                         "usr/local/lib/hy3spark/supervisor/supervisor.json": 0o644}
     want = {"files/pi/models.json": 0o644, "files/pi/settings.json": 0o644, "inventory/hosts.yml": 0o644,
             "inventory/group_vars/all/hy3spark.yml": 0o644}
     for node in ex.nodes:

@@ -44,7 +44,7 @@ def test_restarts_off_renders_no_unit(tmp_path: Path, form: str) -> None:
 
 def test_the_budget_is_the_specs(tmp_path: Path) -> None:
     files = rendered(tmp_path, BASE + "restarts: {max_failed_starts: 5, window_minutes: 30}\n")
-    config = json.loads(files["files/spark-a/usr/local/lib/hy3spark/supervisor.json"])
+    config = json.loads(files["files/spark-a/usr/local/lib/hy3spark/supervisor/supervisor.json"])
     assert (config["max_failed_starts"], config["window_s"]) == (5, 1800)
     assert "gives up after 5 failed starts in 30 min" in files[f"files/spark-a/{UNITS}/hy3spark-supervisor.service"]
 
@@ -86,7 +86,7 @@ def test_every_node_gets_a_boot_unit_and_the_head_a_supervisor_under_a_gated_lau
 
 def test_the_supervisor_config_names_the_heads_container_and_the_rendered_paths(tmp_path: Path) -> None:
     files = rendered(tmp_path, BASE)
-    config = json.loads(files["files/spark-a/usr/local/lib/hy3spark/supervisor.json"])
+    config = json.loads(files["files/spark-a/usr/local/lib/hy3spark/supervisor/supervisor.json"])
     assert config["exec"][:5] == ["docker", "exec", "-i", "-e", config["exec"][4]]
     assert config["exec"][4].startswith("HY3SPARK_ENGINE=") and config["exec"][5] == "hy3-head"
     assert json.loads(config["exec"][4].split("=", 1)[1])["process"] == {"exe": "vllm", "arg": "serve"}

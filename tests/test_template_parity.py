@@ -51,7 +51,9 @@ PARITY: dict[str, dict[str, object]] = {
     "hy3spark-supervisor.service.j2": {
         "scope": "node", "path": "etc/systemd/system/hy3spark-supervisor.service", "head_only": True,
     },
-    "supervisor.json.j2": {"scope": "node", "path": "usr/local/lib/hy3spark/supervisor.json", "head_only": True},
+    "supervisor.json.j2": {
+        "scope": "node", "path": "usr/local/lib/hy3spark/supervisor/supervisor.json", "head_only": True,
+    },
     "pi-models.json.j2": {"scope": "cluster", "path": "pi/models.json"},
     "pi-settings.json.j2": {"scope": "cluster", "path": "pi/settings.json"},
 }

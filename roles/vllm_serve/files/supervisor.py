@@ -1,14 +1,14 @@
 """hy3spark's engine supervisor (docs/restarts.md): keeps the engine serving after crashes and reboots, without
-starving the node. Runs on the head's host as hy3spark-supervisor.service, standard library only.
+starving the node. Runs on the head's host as hy3spark-supervisor.service, standard library only (Python >= 3.10).
 
   run CONFIG      watch the engine; when it is gone, start it again once the launcher's gate says a start can succeed
   state CONFIG    print what it did last (its state file), or {"state": "none"}
 
 CONFIG (templates/supervisor.json.j2) names where the engine lives (`exec`: the argv prefix that runs a command in
-the head's container, [] to run it here), engine.py (status, stop, wait: piped to `<exec> python3 -`), the launcher's
-gate (ready.py: one JSON line {"ok", "why"}), the serve script and the secrets file it reads on stdin (opened here,
-never read into an argv, a log or the state), and the budget: after `max_failed_starts` failed starts within
-`window_s` it gives up, exits 0 (systemd leaves it stopped) and says why in the state file.
+the head's container, [] to run it here), engine.py (status, pids, stop, wait: piped to `<exec> python3 -`), the
+launcher's gate (ready.py: one JSON line {"ok", "why"}; null: always ready), the serve script and the secrets file it
+reads on stdin (opened here, never read into an argv, a log or the state), and the budget: after `max_failed_starts`
+failed starts within `window_s` it gives up, exits 0 (systemd leaves it stopped) and says why in the state file.
 
 A failed start: not healthy within health_timeout_s (the engine exited, or was still loading), or dead within stable_s
 of becoming healthy. Waiting for the gate costs no budget: a worker away for an hour is waited for.
@@ -17,19 +17,23 @@ SIGTERM/SIGINT: stop supervising and leave the engine as it is (Ansible stops en
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import json
 import os
+import select
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
 EVENTS_KEPT = 20
 PROBE_TIMEOUT_S = 60
+# A secret's value shorter than this is no credential, and blanking it would garble every line it occurs in.
+SECRET_MIN_CHARS = 8
+HIDDEN = "<secret>"
 
 
 class Stop(Exception):
@@ -40,11 +44,17 @@ class Supervisor:
     def __init__(self, config_path: str) -> None:
         self.config_path = config_path
         self.config: dict[str, Any] = {}
-        self.wake = threading.Event()
-        self.stopping = False
-        self.reload = False
         self.load()
         self.state = self._carried_state()
+        self.secrets = _secret_values(self.config.get("secrets"))
+        # Failed starts since an engine last stayed up stable_s: what the back-off grows with.
+        self.consecutive = len(self.state["failed_starts"])
+        self.stopping = False
+        self.reload = False
+        # A signal handler runs between any two bytecodes, also while the main thread holds a lock (a threading.Event's
+        # set() would then deadlock), so it only sets a flag and writes a byte here, which sleep() selects on.
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
 
     # --- config, state ------------------------------------------------------------------------------------------
 
@@ -69,6 +79,7 @@ class Supervisor:
         return state
 
     def set_state(self, what: str, cause: str = "", **fields: Any) -> None:
+        cause = self.hide(cause)
         changed = self.state["state"] != what or self.state.get("cause") != cause
         self.state.update(fields, state=what, cause=cause)
         if changed:
@@ -76,6 +87,7 @@ class Supervisor:
         self.save()
 
     def event(self, text: str) -> None:
+        text = self.hide(text)
         print(text, flush=True)
         self.state["events"] = [*self.state["events"], {"at": _now(), "event": text}][-EVENTS_KEPT:]
         self.save()
@@ -85,6 +97,12 @@ class Supervisor:
         self.state["failed_starts"] = [f for f in self.state["failed_starts"] if f["at"] > time.time() - window]
         _write_json(self.config["state_file"], self.state, 0o644)
 
+    def hide(self, text: str) -> str:
+        """The text without the secrets' values: an engine's last log line or a script's error may quote one."""
+        for value in self.secrets:
+            text = text.replace(value, HIDDEN)
+        return text
+
     # --- signals, sleeping ----------------------------------------------------------------------------------------
 
     def on_signal(self, signum: int, _frame: object) -> None:
@@ -92,12 +110,13 @@ class Supervisor:
             self.reload = True
         else:
             self.stopping = True
-        self.wake.set()
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+            os.write(self.wake_w, b"!")
 
     def sleep(self, seconds: float) -> None:
         """Sleep, but wake at once for a signal."""
-        self.wake.wait(seconds)
-        self.wake.clear()
+        if select.select([self.wake_r], [], [], seconds)[0]:
+            os.read(self.wake_r, 4096)
         self.check_signals()
 
     def check_signals(self) -> None:
@@ -105,19 +124,24 @@ class Supervisor:
             raise Stop
         if self.reload:
             self.reload = False
-            self.load()
-            self.event(f"read {self.config_path} again")
+            try:
+                self.load()
+            except (OSError, ValueError) as exc:
+                self.event(f"kept the config it had: cannot read {self.config_path}: {exc}")
+            else:
+                self.event(f"read {self.config_path} again")
 
     # --- what runs where the engine lives -------------------------------------------------------------------------
 
     def _run(self, argv: list[str], stdin: Any, timeout: float) -> subprocess.CompletedProcess[str]:
-        """Run where the engine lives; a stop signal ends the wait (and the child) at once."""
+        """Run where the engine lives; a stop signal ends the wait (and the child) within a fraction of a second."""
         cmd = [*self.config["exec"], *argv]
-        proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                out, err = proc.communicate(timeout=1)
+                out, err = proc.communicate(timeout=0.2)
                 return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
             except subprocess.TimeoutExpired:
                 if self.stopping or time.monotonic() >= deadline:
@@ -128,7 +152,8 @@ class Supervisor:
                     raise
 
     def script(self, path: str, *args: str, timeout: float = PROBE_TIMEOUT_S) -> tuple[dict[str, Any] | None, str]:
-        """Pipe a script to `<exec> python3 - ARGS`: (its last JSON line, or None with why it gave none)."""
+        """Pipe a script to `<exec> python3 - ARGS`: (its last JSON line, or None with why it gave none: the exec
+        prefix's own error, such as a container that is not running)."""
         try:
             with open(path) as f:
                 proc = self._run([self.config.get("python", "python3"), "-", *args], f, timeout)
@@ -138,7 +163,7 @@ class Supervisor:
             return None, f"cannot run {path}: {exc}"
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode != 0 or not lines:
-            said = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [f"exit {proc.returncode}"])
+            said = proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [f"exit {proc.returncode}"]
             return None, said[-1][:300]
         return json.loads(lines[-1]), ""
 
@@ -165,15 +190,21 @@ class Supervisor:
 
     def run(self) -> int:
         try:
+            self.set_state("starting-up", "looking for a running engine")
             report, _ = self.status()
-            if report and report.get("alive"):
+            adopted = bool(report and report.get("alive"))
+            if report and adopted:
                 self.event(f"found the engine running (PID {report['pid']}): watching it")
-                self.serving(int(report["pid"]))
-                self.watch(adopted=True)
-            while True:
-                if self.start_cycle():
-                    self.watch()
+                if report.get("healthy"):
+                    self.serving(int(report["pid"]))
                 else:
+                    self.set_state("starting", "found it running, not answering /health yet", pid=report["pid"])
+            while True:
+                if not adopted and not self.start_cycle():
+                    return 0
+                cause = self.watch(adopted)
+                adopted = False
+                if cause and self.failed(cause):
                     return 0
         except Stop:
             self.set_state("stopped", "stopped by a signal (systemctl stop); the engine is left as it is")
@@ -184,74 +215,91 @@ class Supervisor:
         self.set_state("serving", "", pid=pid)
         self.record_pid(pid)
 
-    def watch(self, adopted: bool = False) -> None:
-        """Until the engine is gone: then count a restart and return. An engine this supervisor found running has
-        been healthy for longer than stable_s as far as the budget goes."""
+    def watch(self, adopted: bool = False) -> str:
+        """Until the engine is gone, or stopped for failing /health: count a restart and return why that was a failed
+        start, or "" when it was not. An engine found serving counts as up for longer than stable_s; one found
+        loading gets health_timeout_s, as a start of this supervisor's does."""
+        poll, every = float(self.config["poll_s"]), float(self.config["health_every_s"])
+        stable, unhealthy = float(self.config["stable_s"]), float(self.config["unhealthy_s"])
+        timeout = float(self.config["health_timeout_s"])
         pid = self.state.get("pid")
-        became_healthy = time.monotonic() - (float(self.config["stable_s"]) if adopted else 0.0)
-        unhealthy_since: float | None = None
-        # The processes every poll_s; /health every health_every_s only: the engine logs each request, and a serve
-        # log full of health checks hides what an operator looks for.
-        next_health = time.monotonic() + float(self.config["health_every_s"])
+        watched_since = time.monotonic()
+        healthy_since: float | None = None
+        if self.state["state"] == "serving":
+            healthy_since = watched_since - stable if adopted else watched_since
+        failing_since: float | None = None
+        next_health = watched_since + every
         while True:
-            self.sleep(float(self.config["poll_s"]))
-            probe = self.status if time.monotonic() >= next_health else self.pids
+            self.sleep(poll)
+            # The processes every poll_s; /health every health_every_s only, unless it is failing or not answering
+            # yet: the engine logs each request, and a serve log full of health checks hides what an operator reads.
+            due = healthy_since is None or failing_since is not None or time.monotonic() >= next_health
+            probe = self.status if due else self.pids
             report, why = probe()
-            if report is None:  # docker could not run the probe: once more before calling the engine gone
-                self.sleep(2.0)
+            if report is None:  # the exec prefix failed (docker, the container): once more before calling it gone
+                self.sleep(poll)
                 report, why = probe()
             if report is not None and "healthy" not in report:  # the processes only
                 if report.get("alive"):
                     continue
                 report, why = self.status()  # gone: read once more, in full, before acting on it
-            next_health = time.monotonic() + float(self.config["health_every_s"])
+            now = time.monotonic()
+            next_health = now + every
             if report is None or not report.get("alive"):
                 self.state["restarts"] = int(self.state.get("restarts", 0)) + 1
-                cause = why or "the engine exited"
-                self.event(f"engine gone (PID {pid}): {cause}")
-                if time.monotonic() - became_healthy < float(self.config["stable_s"]):
-                    self.failed_start(f"died {time.monotonic() - became_healthy:.0f} s after it became healthy: "
-                                      f"{self.last_log_line() or cause}")
-                self.set_state("waiting", cause, pid=None)
-                return
+                self.event(f"engine gone (PID {pid}): {why}" if report is None else f"engine exited (PID {pid})")
+                self.set_state("waiting", why or "the engine exited", pid=None)
+                said = self.last_log_line() or why or "the engine exited"
+                if healthy_since is None:
+                    return said
+                up = now - healthy_since
+                return f"died {up:.0f} s after it became healthy: {said}" if up < stable else ""
             if report.get("healthy"):
-                unhealthy_since = None
-                if report.get("pid") != pid:  # a start of the engine's own (a second process took the lead)
-                    pid = report["pid"]
+                failing_since = None
+                if healthy_since is None:
+                    healthy_since = now
+                    self.event(f"serving (PID {report['pid']}) after {now - watched_since:.0f} s")
+                if report.get("pid") != pid or self.state["state"] != "serving":
+                    pid = report["pid"]  # a start of the engine's own (a second process took the lead)
                     self.serving(int(pid))
+                if now - healthy_since >= stable:
+                    self.consecutive = 0
                 continue
-            unhealthy_since = unhealthy_since or time.monotonic()
-            if time.monotonic() - unhealthy_since >= float(self.config["unhealthy_s"]):
-                self.state["restarts"] = int(self.state.get("restarts", 0)) + 1
-                self.event(f"engine (PID {pid}) alive but /health failing for {self.config['unhealthy_s']} s "
+            failing_since = failing_since or now
+            if healthy_since is not None and now - failing_since >= unhealthy:
+                cause = ""
+                self.event(f"engine (PID {pid}) alive but /health failing for {unhealthy:g} s "
                            f"({report.get('health')}): stopping it")
-                self.stop_engine()
-                self.set_state("waiting", "the engine stopped answering /health", pid=None)
-                return
+            elif healthy_since is None and now - watched_since >= timeout:
+                cause = f"did not answer /health within {timeout:g} s"
+                self.event(f"engine (PID {pid}) {cause}: stopping it")
+            else:
+                continue
+            self.state["restarts"] = int(self.state.get("restarts", 0)) + 1
+            self.stop_engine()
+            self.set_state("waiting", "the engine stopped answering /health", pid=None)
+            return cause
 
     def start_cycle(self) -> bool:
-        """Gate, start, wait for /health. True: serving. False: gave up."""
+        """Gate, start, wait for /health, until the engine serves (True) or the budget is spent (False)."""
         while True:
             self.wait_for_gate()
-            healthy, cause = self.start()
-            if healthy:
+            cause = self.start()
+            if not cause:
                 return True
-            if self.failed_start(cause):
+            if self.failed(cause):
                 return False
-            failures = self.consecutive_failures()
-            backoff = self.config["backoff_s"][min(failures, len(self.config["backoff_s"])) - 1]
-            self.set_state("backoff", f"next start in {backoff} s after: {cause}")
-            self.sleep(float(backoff))
 
     def wait_for_gate(self) -> None:
         said = None
         while True:
             self.check_signals()
-            report, why = self.status()
+            report, why = self.pids()
             if report is not None and report.get("alive"):
                 # An engine process is left (a previous engine's, or one that did not die): never two at once.
                 self.event(f"an engine process is still running (PIDs {report.get('pids')}): stopping it first")
                 self.stop_engine()
+                self.sleep(float(self.config["poll_s"]))
                 continue
             if report is None:
                 ok, why = False, f"cannot look for the engine: {why}"
@@ -268,56 +316,67 @@ class Supervisor:
             self.set_state("waiting", why)
             self.sleep(float(self.config["poll_s"]))
 
-    def start(self) -> tuple[bool, str]:
+    def start(self) -> str:
+        """Start the engine and wait for /health: "" when it serves, else why the start failed (what it left is
+        stopped)."""
         self.set_state("starting", "", pid=None)
         self.event("starting the engine")
         started = time.monotonic()
-        secrets = self.config.get("secrets")
+        cause = self.launch()
+        if not cause:
+            timeout = float(self.config["health_timeout_s"])
+            report, why = self.engine("wait", self.config["health_url"], f"{timeout:g}", self.config["log"],
+                                      str(self.config["log_lines"]), str(self.config["appear_s"]),
+                                      timeout=timeout + PROBE_TIMEOUT_S)
+            if report and report.get("healthy"):
+                self.state["starts"] = int(self.state.get("starts", 0)) + 1
+                self.event(f"serving (PID {report['pid']}) after {time.monotonic() - started:.0f} s")
+                self.serving(int(report["pid"]))
+                return ""
+            if report is None:
+                cause = why
+            elif report.get("alive"):
+                cause = f"did not answer /health within {timeout:g} s"
+            else:
+                tail = [x.strip() for x in report.get("log_tail", []) if x.strip()]
+                cause = tail[-1][:300] if tail else "the engine exited"
+        self.stop_engine()
+        return cause
+
+    def launch(self) -> str:
+        """Run the serve script, which detaches the engine and returns: "" when it did, else why not."""
+        path = self.config.get("secrets")
+        self.secrets = _secret_values(path)  # Ansible may have written new ones since
         try:
-            stdin = open(secrets) if secrets and os.path.exists(secrets) else subprocess.DEVNULL  # noqa: SIM115
-            try:
+            with open(path if path and os.path.exists(path) else os.devnull, "rb") as stdin:
                 proc = self._run([self.config["script"]], stdin, PROBE_TIMEOUT_S)
-            finally:
-                if stdin is not subprocess.DEVNULL:
-                    stdin.close()
         except subprocess.TimeoutExpired:
-            return False, f"the serve script did not return within {PROBE_TIMEOUT_S} s"
+            return f"the serve script did not return within {PROBE_TIMEOUT_S} s"
+        except OSError as exc:
+            return f"cannot run the serve script: {exc}"
         if proc.returncode != 0:
             said = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
-            return False, f"the serve script failed: {said[-1][:300]}"
-        timeout = float(self.config["health_timeout_s"])
-        report, why = self.engine("wait", self.config["health_url"], str(int(timeout)), self.config["log"],
-                                  str(self.config["log_lines"]), str(self.config["appear_s"]),
-                                  timeout=timeout + PROBE_TIMEOUT_S)
-        if report and report.get("healthy"):
-            self.state["starts"] = int(self.state.get("starts", 0)) + 1
-            self.event(f"serving (PID {report['pid']}) {time.monotonic() - started:.0f} s after the start")
-            self.serving(int(report["pid"]))
-            return True, ""
-        if report is None:
-            cause = why
-        elif report.get("alive"):
-            cause = f"did not answer /health within {int(timeout)} s"
-        else:
-            tail = [x.strip() for x in report.get("log_tail", []) if x.strip()]
-            cause = tail[-1][:300] if tail else "the engine exited"
-        self.stop_engine()
-        return False, cause
+            return f"the serve script failed: {said[-1][:300]}"
+        return ""
 
-    def failed_start(self, cause: str) -> bool:
-        """Count a failed start. True when the budget is spent: the supervisor has given up."""
+    def failed(self, cause: str) -> bool:
+        """Count a failed start and back off. True when the budget is spent: the supervisor has given up."""
+        cause = self.hide(cause)
+        self.consecutive += 1
         self.state["failed_starts"] = [*self.state["failed_starts"], {"at": time.time(), "cause": cause}]
         self.save()
-        count, window = len(self.state["failed_starts"]), int(self.config["window_s"])
-        self.event(f"failed start {count} of {self.config['max_failed_starts']} in {window // 60} min: {cause}")
-        if count >= int(self.config["max_failed_starts"]):
-            self.set_state("gave-up", f"gave up after {count} starts in {window // 60} min: {cause}", pid=None)
+        count, limit = len(self.state["failed_starts"]), int(self.config["max_failed_starts"])
+        window = f"{float(self.config['window_s']) / 60:g} min"
+        self.event(f"failed start {count} of {limit} in {window}: {cause}")
+        if count >= limit:
+            self.set_state("gave-up", f"gave up after {count} starts in {window}: {cause}", pid=None)
             self.event(self.state["cause"])
             return True
+        backoff = self.config["backoff_s"]
+        pause = float(backoff[min(self.consecutive, len(backoff)) - 1])
+        self.set_state("backoff", f"next start in {pause:g} s after: {cause}", pid=None)
+        self.sleep(pause)
         return False
-
-    def consecutive_failures(self) -> int:
-        return max(1, len(self.state["failed_starts"]))
 
     def last_log_line(self) -> str:
         try:
@@ -345,7 +404,28 @@ class Supervisor:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    # Not datetime.UTC: that is Python 3.11, and the node's Python may be 3.10.
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+
+
+def _secret_values(path: str | None) -> list[str]:
+    """The values in the secrets file (KEY=VALUE lines, shell-quoted), longest first so that one holding another
+    is hidden whole."""
+    if not path:
+        return []
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    values: set[str] = set()
+    for line in lines:
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:  # an unbalanced quote: the line as it stands
+            words = [line.strip()]
+        values.update(word.partition("=")[2] for word in words if "=" in word)
+    return sorted((v for v in values if len(v) >= SECRET_MIN_CHARS), key=len, reverse=True)
 
 
 def _write_json(path: str, data: Any, mode: int) -> None:
