@@ -295,11 +295,11 @@ def test_engine_that_exits_at_every_start_gives_up_after_three() -> None:
         extra.mkdir(parents=True, exist_ok=True)
         (extra / "test-machine.yml").write_text("ansible_connection: community.docker.docker\n"
                                                 "ansible_pipelining: true\n")
-        # The spec's ssh_user (the rendered inventory's ansible_user) is no user of the test node, where Molecule's
-        # runs are root: the same here, over the inventory's host variable.
+        # The rendered inventory reaches the node at its fabric address as the spec's ssh_user; Docker's connection
+        # wants the container's name, and Molecule's runs are root there (one node: -e sets its host variables).
         status = subprocess.run([sys.executable, "-m", "hy3spark", "status", str(SCENARIO / "cluster.yml"),
-                                 "--runs-dir", str(runs), "-e", "ansible_user=root"], cwd=REPO, capture_output=True,
-                                text=True, timeout=300, check=False)
+                                 "--runs-dir", str(runs), "-e", f"ansible_host={NODE} ansible_user=root"], cwd=REPO,
+                                capture_output=True, text=True, timeout=300, check=False)
         out = status.stdout + status.stderr
         assert status.returncode == 0, out
         assert "supervisor: gave up after 3 starts in 15 min: " in status.stdout, out
