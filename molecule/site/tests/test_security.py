@@ -237,24 +237,26 @@ def engine_family(name: str) -> set[int]:
 
 
 def test_the_firewall_table_comes_back_with_a_rebooted_node() -> None:
-    """The worker's node container restarted (systemd, Docker and the fabric come back; its Ray container does not,
-    until issue 16): the firewall unit reloads hy3spark's table at boot, and the LAN still reaches only SSH. A clean
-    run brings the cluster back for the tests after this file, whatever the checks found."""
+    """The worker's node container restarted (systemd, Docker and the fabric come back): the firewall unit reloads
+    hy3spark's table at boot, and the LAN still reaches only SSH. The boot units and the head's supervisor bring the
+    cluster back by themselves (docs/restarts.md)."""
     started = time.monotonic()
-    subprocess.run(["docker", "restart", WORKER], check=True, capture_output=True, timeout=300)
-    try:
-        for _ in range(60):
-            if node(WORKER).run("systemctl is-active hy3spark-firewall.service").stdout.strip() == "active":
-                break
-            time.sleep(1)
-        assert node(WORKER).run("nft list table inet hy3spark").rc == 0
-        found = scan_from_the_lan()
-        assert found[WORKER] == {"open": [22], "silent": []}, found
-    finally:
-        result = playbook(str(SCENARIO / "converge.yml"))
+    old = scenario.supervisor_state(HEAD).get("pid")
+    scenario.reboot(WORKER)
+    for _ in range(60):
+        if node(WORKER).run("systemctl is-active hy3spark-firewall.service").stdout.strip() == "active":
+            break
+        time.sleep(1)
+    assert node(WORKER).run("nft list table inet hy3spark").rc == 0
+    found = scan_from_the_lan()
+    assert found[WORKER] == {"open": [22], "silent": []}, found
+    scenario.wait_for("the endpoint serving again", lambda: (s := scenario.supervisor_state(HEAD)).get("state")
+                      == "serving" and s.get("pid") != old and scenario.answers(HEAD, "hy3", API_KEY), 600, every=2)
+    print(f"worker rebooted, scanned and serving again in {time.monotonic() - started:.0f} s")
+    # A clean run records the recovered nodes (the drift check's record), for the in-sync re-runs after this file;
+    # it leaves the supervisor's engine alone.
+    result = playbook(str(SCENARIO / "converge.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
-    print(f"worker rebooted, scanned and redeployed in {time.monotonic() - started:.0f} s")
-    status, _ = scenario.api(HEAD, "/v1/models", None, API_KEY)
-    assert status == 200
+    assert "leaving the engine alone" in result.stdout, result.stdout
     found = scan_from_the_lan()
     assert found[HEAD] == {"open": [22, API_PORT], "silent": []} and found[WORKER]["open"] == [22], found
