@@ -485,7 +485,9 @@ def test_status_for_people_names_every_node_in_full(cluster: Cluster, capsys: py
 
 
 def test_logs_no_follow_prints_the_serve_log_tail(cluster: Cluster) -> None:
-    proc = cluster.cli("logs", str(cluster.spec), "--no-follow", "--runs-dir", str(cluster.runs))
+    # The engine's supervisor asks /health every 30 s and the engine logs each request: by now more than the
+    # default 100 lines may follow the start, so the tail read reaches back to it.
+    proc = cluster.cli("logs", str(cluster.spec), "--no-follow", "-n", "2000", "--runs-dir", str(cluster.runs))
     assert proc.returncode == 0, proc.stderr
     assert "Application startup complete." in proc.stdout
     assert f"hy3spark: starting vllm for {CLUSTER}" in proc.stdout
