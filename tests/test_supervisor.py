@@ -100,10 +100,14 @@ class Rig:
                           str(self.dir / "serve.log"))
         return found["pid"] if found["alive"] else None
 
-    def start_engine(self) -> int:
-        """Start the engine as an Ansible run would, and wait until it answers /health."""
+    def launch_engine(self) -> None:
+        """Start the engine as an Ansible run would (serve.sh, the secrets on stdin)."""
         with open(self.dir / "secrets.env") as secrets:
             subprocess.run([str(self.dir / "serve.sh")], stdin=secrets, check=True, env=self.env)
+
+    def start_engine(self) -> int:
+        """Start the engine and wait until it answers /health."""
+        self.launch_engine()
         report, _ = wait_for("the engine healthy", lambda: (r := engine_py(
             self, "status", str(self.dir / "serve.sh"), f"http://127.0.0.1:{self.port}/health",
             str(self.dir / "serve.log"))).get("healthy") and r, 20)
@@ -256,9 +260,14 @@ def test_a_leftover_engine_is_stopped_before_a_start(rig: Rig) -> None:
     rig.write("gate", "Ray shows 1 of 2 nodes and 1 of 2 GPUs (alive: 10.0.0.1)")
     rig.supervise()
     wait_for("waiting", lambda: rig.state().get("state") == "waiting", 10)
-    left = rig.start_engine()
+    # Not waited on until healthy: the supervisor may stop it first (it polls every 0.2 s), which is the point.
+    rig.launch_engine()
+    found, _ = wait_for("the leftover named", lambda: next((m for e in rig.events() if (m := re.fullmatch(
+        r"an engine process is still running \(PIDs \[(\d+)\]\): stopping it first", e))), None), 20)
+    assert isinstance(found, re.Match)
+    left = int(found.group(1))
     wait_for("the leftover stopped", lambda: not alive(left), 15)
-    assert f"an engine process is still running (PIDs [{left}]): stopping it first" in rig.events()
+    assert rig.state()["starts"] == 0, "the leftover was the engine started by hand: the gate is still closed"
     rig.write("gate", "ok")
     state = serving(rig, other_than=left)
     status = engine_py(rig, "status", str(rig.dir / "serve.sh"), "http://127.0.0.1:1/health",
