@@ -5,7 +5,7 @@ What it measures, on a synthetic model of about 2 GB in 40 shards (tests/hubdoub
 1. model_sync's cold sync to an empty worker beside a plain `rsync -a` of the same snapshot tree over the same SSH
    in the same run (wall time, bytes on the worker's fabric interface, throughput); plain `rsync -a` of
    snapshots/<sha>/ alone also shows what it ships: links, not weights (FIELD-NOTES #6);
-2. a re-run when nothing changed: wall time of the whole playbook and bytes moved (goal: 0 bytes, under 5 s);
+2. a re-run when nothing changed: wall time of the whole playbook and bytes moved (goal: 0 bytes, under 3 s);
 3. the cold path with image and model transfers concurrent (playbooks/distribute.yml) versus sequential
    (hy3spark_distribute_concurrent=false).
 
@@ -151,13 +151,17 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=40)
     parser.add_argument("--shard-mib", type=int, default=50)
     parser.add_argument("--image-mib", type=int, default=1024, help="size of the synthetic engine image")
+    parser.add_argument("--streams", type=int, default=0,
+                        help="model_sync_streams (transfer streams per worker); 0: the role's default (head's cores)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="leave the containers running afterwards")
     args = parser.parse_args()
     if shutil.which("docker") is None:
         raise SystemExit("bench: needs docker")
     token = "bench-token-not-a-secret"
-    results: dict[str, object] = {"shards": args.shards, "shard_mib": args.shard_mib, "image_mib": args.image_mib}
+    results: dict[str, object] = {"shards": args.shards, "shard_mib": args.shard_mib, "image_mib": args.image_mib,
+                                  "streams": args.streams or f"the head's cores ({os.cpu_count()}), at most 8",
+                                  "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     stop_nodes()
     work = Path(tempfile.mkdtemp(prefix="hy3spark-bench-"))
     try:
@@ -184,7 +188,8 @@ def main() -> int:
         inventory = write_inventory(work, gen["commit"], gen["bytes"])
         runner = Runner(inventory, token)
         role_vars = ("-e", json.dumps({"model_sync_hf_endpoint": "http://127.0.0.1:8080",
-                                       "model_sync_pip_extra_args": "--no-index --find-links /opt/wheels"}))
+                                       "model_sync_pip_extra_args": "--no-index --find-links /opt/wheels",
+                                       "model_sync_streams": args.streams}))
         prepare = playbook(work, "prepare.yml", """---
 - name: Prepare the bench nodes
   hosts: hy3spark_cluster
@@ -259,6 +264,7 @@ def main() -> int:
             rx = rx_bytes(WORKER)
             took = runner.run(distribute, *role_vars, "-e", f"hy3spark_distribute_concurrent={concurrent}")
             results[f"cold_{label}"] = {"s": round(took, 1), "wire_bytes": rx_bytes(WORKER) - rx}
+        results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         if not args.keep:
             stop_nodes()
@@ -270,6 +276,9 @@ def main() -> int:
     mb = results["model_bytes"] / 1e6
     rows = [
         ("model", f"{args.shards} shards, {mb:.0f} MB; image {args.image_mib} MiB"),
+        ("load average (1, 5, 15 min)", f"before {results['load_average_before']}, after "
+                                        f"{results['load_average_after']}"),
+        ("transfer streams per worker", str(results["streams"])),
         ("head download (Hub double)", f"{results['head_download_s']} s"),
         ("model_sync, cold", f"{cold['role_s']} s for the playbook, {cold['role_MBps']} MB/s, "
                              f"{cold['role_wire_bytes'] / 1e6:.0f} MB on the wire"),

@@ -15,7 +15,9 @@ description:
     the hash (sha256 for LFS files, the git blob sha1 for the others). It also
     checks that C(refs/<revision>) names the commit. Hashes are remembered per file by (size, mtime, ctime, inode)
     in I(state_file), so an unchanged file is not read again; any write to a file changes its ctime.
-  - Returns what this node needs (paths relative to I(repo_dir)) and the free space where they would land.
+  - Returns what this node needs (paths relative to I(repo_dir)), the same split into at most I(streams) lists of
+    about equal bytes (one transfer stream each: the largest file first, each to the lightest list), and the free
+    space where they would land.
 options:
   repo_dir: {description: The model's directory in the cache (models--org--name)., type: path, required: true}
   revision: {description: Branch, tag or 40-character commit sha., type: str, required: true}
@@ -26,6 +28,7 @@ options:
   threads: {description: Files hashed in parallel., type: int, default: 4}
   fail_on_problems: {description: Fail, naming every bad file, when anything is missing or wrong., type: bool,
                      default: false}
+  streams: {description: Lists to split what this node needs into (need_streams)., type: int, default: 1}
 """
 
 import contextlib
@@ -114,6 +117,23 @@ def hash_file(path, size, kind):
     return {kind: digest.hexdigest()}
 
 
+def split_streams(need, sizes, streams):
+    """`need` in at most `streams` lists of about equal bytes: the largest file first, each to the lightest list.
+
+    Greedy longest-first is within 4/3 of the best split and keeps a list's files in the order they were needed;
+    empty lists are left out (fewer files than streams). Meta files (refs, the tree listing) weigh nothing and go
+    to the lightest list.
+    """
+    lists = [[] for _ in range(max(1, min(streams, len(need))))]
+    loads = [0] * len(lists)
+    order = {path: i for i, path in enumerate(need)}
+    for path in sorted(need, key=lambda n: (-sizes.get(n, 0), order[n])):
+        lightest = loads.index(min(loads))
+        lists[lightest].append(path)
+        loads[lightest] += sizes.get(path, 0)
+    return [sorted(lst, key=order.__getitem__) for lst in lists if lst]
+
+
 def free_bytes(path):
     while path and not os.path.exists(path):
         path = os.path.dirname(path)
@@ -132,6 +152,7 @@ def main():
             "state_file": {"type": "path"},
             "threads": {"type": "int", "default": 4},
             "fail_on_problems": {"type": "bool", "default": False},
+            "streams": {"type": "int", "default": 1},
         },
         supports_check_mode=True,
     )
@@ -225,6 +246,7 @@ def main():
         "problems": problems,
         "need": need,
         "need_bytes": need_bytes,
+        "need_streams": split_streams(need, sizes, p["streams"]),
         "hashed_bytes": hashed,
         "extras": extras,
         "free_bytes": free_bytes(repo_dir),
