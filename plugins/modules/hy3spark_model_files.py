@@ -16,7 +16,7 @@ description:
     checks that C(refs/<revision>) names the commit. Hashes are remembered per file by (size, mtime, ctime, inode)
     in I(state_file), so an unchanged file is not read again; any write to a file changes its ctime.
   - Returns what this node needs (paths relative to I(repo_dir)), the same split into at most I(streams) lists of
-    about equal bytes (one transfer stream each: the largest file first, each to the lightest list), and the free
+    about equal bytes (one per transfer stream; the largest file first, each to the lightest list), and the free
     space where they would land.
 options:
   repo_dir: {description: The model's directory in the cache (models--org--name)., type: path, required: true}
