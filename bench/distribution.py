@@ -7,7 +7,12 @@ What it measures, on a synthetic model of about 2 GB in 40 shards (tests/hubdoub
    snapshots/<sha>/ alone also shows what it ships: links, not weights (FIELD-NOTES #6);
 2. a re-run when nothing changed: wall time of the whole playbook and bytes moved (goal: 0 bytes, under 3 s);
 3. the cold path with image and model transfers concurrent (playbooks/distribute.yml) versus sequential
-   (hy3spark_distribute_concurrent=false).
+   (hy3spark_distribute_concurrent=false);
+4. download plus distribution (both nodes empty, the whole role) against the download alone (the head empty, the
+   head's part of the role), both with the head's venv already in place.
+
+Each line of the issue's acceptance is printed with its ratio: cold model_sync at >= 1.0x plain `rsync -a`,
+download plus distribution at <= 1.3x the download alone, the re-run under 3 s with 0 bytes moved.
 
 It starts two dnode containers (systemd + Docker, images from scripts/build-images) on their own Docker network,
 runs the real playbooks against them with the docker connection, prints a table and writes JSON, then removes
@@ -208,7 +213,7 @@ def main() -> int:
   roles: [model_sync]
 """)
         runner.run(prepare)
-        results["head_download_s"] = round(runner.run(playbook(work, "head.yml", """---
+        head_only = playbook(work, "head.yml", """---
 - name: Download the model on the head only
   hosts: hy3spark_cluster
   gather_facts: false
@@ -216,7 +221,8 @@ def main() -> int:
   tasks:
     - name: Get the model on the head
       ansible.builtin.include_role: {name: model_sync, tasks_from: prepare.yml}
-"""), *role_vars), 1)
+""")
+        results["head_download_s"] = round(runner.run(head_only, *role_vars), 1)
 
         # 1. model_sync cold vs plain rsync -a of the same tree, same SSH, same run.
         rx = rx_bytes(WORKER)
@@ -243,13 +249,14 @@ def main() -> int:
             "plain_rsync_a_s": round(t_plain, 1), "plain_wire_bytes": plain_bytes,
             "plain_MBps": round(gen["bytes"] / t_plain / 1e6, 1),
             "plain_rsync_a_of_snapshot_dir_bytes_on_worker": snap_du,
+            "speed_vs_plain": round(t_plain / t_role, 2),
         }
         dexec(WORKER, "rm -rf /home/ubuntu/plain /home/ubuntu/plain-snap")
 
         # 2. Nothing changed: the whole playbook again.
         rx = rx_bytes(WORKER)
         t_rerun = runner.run(model, *role_vars)
-        work_tasks = ("Locate or download the model", "List and verify the model's files",
+        work_tasks = ("Verify the head's copy", "Locate or download the model", "List and verify the model's files",
                       "Verify the worker's copy", "Verify every file of the model")
         role_work = sum(t for name, t in runner.tasks.items() if any(w in name for w in work_tasks))
         results["rerun"] = {"s": round(t_rerun, 1), "wire_bytes": rx_bytes(WORKER) - rx,
@@ -264,6 +271,19 @@ def main() -> int:
             rx = rx_bytes(WORKER)
             took = runner.run(distribute, *role_vars, "-e", f"hy3spark_distribute_concurrent={concurrent}")
             results[f"cold_{label}"] = {"s": round(took, 1), "wire_bytes": rx_bytes(WORKER) - rx}
+
+        # 4. Download plus distribution against the download alone: both from an empty cache, the venv in place.
+        wipe = f"rm -rf {REPO_DIR} /var/lib/hy3spark/model_sync"
+        dexec(HEAD, wipe)
+        dexec(WORKER, wipe)
+        download_alone = runner.run(head_only, *role_vars)
+        dexec(HEAD, wipe)
+        dexec(WORKER, wipe)
+        rx = rx_bytes(WORKER)
+        both = runner.run(model, *role_vars)
+        results["download_and_distribution"] = {
+            "download_alone_s": round(download_alone, 1), "download_plus_distribution_s": round(both, 1),
+            "ratio": round(both / download_alone, 2), "wire_bytes": rx_bytes(WORKER) - rx}
         results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         if not args.keep:
@@ -273,6 +293,7 @@ def main() -> int:
             print(f"bench: kept {HEAD}, {WORKER} and the inventory in {work}", file=sys.stderr)
 
     cold = results["cold"]
+    dd = results["download_and_distribution"]
     mb = results["model_bytes"] / 1e6
     rows = [
         ("model", f"{args.shards} shards, {mb:.0f} MB; image {args.image_mib} MiB"),
@@ -281,18 +302,22 @@ def main() -> int:
         ("transfer streams per worker", str(results["streams"])),
         ("head download (Hub double)", f"{results['head_download_s']} s"),
         ("model_sync, cold", f"{cold['role_s']} s for the playbook, {cold['role_MBps']} MB/s, "
-                             f"{cold['role_wire_bytes'] / 1e6:.0f} MB on the wire"),
-        ("  of which rsync", f"{cold['transfer_s']} s ({cold['transfer_MBps']} MB/s); hashing every file on the "
-                             f"worker afterwards {cold['verify_after_s']} s"),
+                             f"{cold['role_wire_bytes'] / 1e6:.0f} MB on the wire: {cold['speed_vs_plain']}x plain "
+                             "rsync -a (goal >= 1.0x)"),
+        ("  of which rsync", f"{cold['transfer_s']} s ({cold['transfer_MBps']} MB/s); verifying the worker "
+                             f"afterwards {cold['verify_after_s']} s"),
         ("plain rsync -a, same tree", f"{cold['plain_rsync_a_s']} s, {cold['plain_MBps']} MB/s, "
                                       f"{cold['plain_wire_bytes'] / 1e6:.0f} MB on the wire"),
         ("plain rsync -a of snapshots/<sha>/", f"{cold['plain_rsync_a_of_snapshot_dir_bytes_on_worker']} bytes "
                                                "arrive (links only)"),
         ("model_sync, nothing changed", f"{results['rerun']['s']} s for the playbook ({results['rerun']['tasks']} "
-                                        f"tasks), {results['rerun']['wire_bytes']} bytes on the wire; download "
-                                        f"check + verification {results['rerun']['role_work_s']} s"),
+                                        f"tasks), {results['rerun']['wire_bytes']} bytes on the wire (goal < 3 s, 0 "
+                                        f"bytes); the role's checks {results['rerun']['role_work_s']} s"),
         ("image + model, concurrent", f"{results['cold_concurrent']['s']} s"),
         ("image + model, sequential", f"{results['cold_sequential']['s']} s"),
+        ("download alone (head, empty cache)", f"{dd['download_alone_s']} s"),
+        ("download + distribution", f"{dd['download_plus_distribution_s']} s: {dd['ratio']}x the download alone "
+                                    "(goal <= 1.3x)"),
     ]
     width = max(len(r[0]) for r in rows)
     for key, value in rows:

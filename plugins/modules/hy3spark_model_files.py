@@ -15,9 +15,10 @@ description:
     the hash (sha256 for LFS files, the git blob sha1 for the others). It also
     checks that C(refs/<revision>) names the commit. Hashes are remembered per file by (size, mtime, ctime, inode)
     in I(state_file), so an unchanged file is not read again; any write to a file changes its ctime.
-  - Returns what this node needs (paths relative to I(repo_dir)), the same split into at most I(streams) lists of
-    about equal bytes (one per transfer stream; the largest file first, each to the lightest list), and the free
-    space where they would land.
+  - Returns C(complete) (nothing missing or wrong, and the file set is the hub's tree listing, not only the links
+    found), the number of usable CPUs (C(cpus)) and what this node needs (paths relative to I(repo_dir)), the same
+    split into at most I(streams) lists of about equal bytes (one per transfer stream; the largest file first, each
+    to the lightest list), and the free space where they would land.
 options:
   repo_dir: {description: The model's directory in the cache (models--org--name)., type: path, required: true}
   revision: {description: Branch, tag or 40-character commit sha., type: str, required: true}
@@ -29,6 +30,11 @@ options:
   fail_on_problems: {description: Fail, naming every bad file, when anything is missing or wrong., type: bool,
                      default: false}
   streams: {description: Lists to split what this node needs into (need_streams)., type: int, default: 1}
+  missing_ok: {description: On the head, a revision with no snapshot yet is a result (C(complete) false), not a
+               failure., type: bool, default: false}
+  trusted: {description: Paths (relative to I(repo_dir)) that rsync has just delivered and verified with its
+            whole-file transfer checksum against the head's verified copy. Their presence and size are checked; the
+            hub's hash is recorded for them without reading them again., type: list, elements: str, default: []}
 """
 
 import contextlib
@@ -141,6 +147,14 @@ def free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
+def cpu_count():
+    """The CPUs this process may run on (a cgroup or taskset limit counts), as `nproc` says."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def main():
     module = AnsibleModule(
         argument_spec={
@@ -153,6 +167,8 @@ def main():
             "threads": {"type": "int", "default": 4},
             "fail_on_problems": {"type": "bool", "default": False},
             "streams": {"type": "int", "default": 1},
+            "missing_ok": {"type": "bool", "default": False},
+            "trusted": {"type": "list", "elements": "str", "default": []},
         },
         supports_check_mode=True,
     )
@@ -162,6 +178,9 @@ def main():
     if expected is None:
         commit = resolve_commit(repo_dir, revision)
         if commit is None or not os.path.isdir(os.path.join(repo_dir, "snapshots", commit)):
+            if p["missing_ok"]:
+                module.exit_json(changed=False, complete=False, commit=commit, cpus=cpu_count(),
+                                 msg=f"no snapshot of {revision} in {repo_dir} yet")
             module.fail_json(msg=f"{repo_dir} has no snapshot for revision {revision} (refs/{revision} missing or "
                                  "no snapshots/<commit>/)", commit=commit)
         files, tree_file = manifest_from_cache(repo_dir, commit)
@@ -172,6 +191,7 @@ def main():
     snapshot_rel = "snapshots/" + commit
     snapshot = os.path.join(repo_dir, snapshot_rel)
     state = load_state(p["state_file"]) if p["state_file"] and not p["rehash"] else {}
+    trusted = {rel[len(snapshot_rel) + 1:] for rel in p["trusted"] if rel.startswith(snapshot_rel + "/")}
     new_state = {}
     problems, need, to_hash = [], [], []
     for entry in files:
@@ -192,6 +212,10 @@ def main():
             known = state.get(entry["path"])
             if known and known["stamp"] == stamp and kind in known:
                 new_state[entry["path"]] = known
+            elif entry["path"] in trusted:
+                # rsync compared its whole-file checksum of what it wrote with the head's: the bytes are the head's,
+                # whose hash the head verified. Recorded with this file's stamp, so any later write re-reads it.
+                new_state[entry["path"]] = {"stamp": stamp, kind: entry[kind], "trusted": "rsync"}
             else:
                 to_hash.append((entry, full, stamp, kind))
     hashed = 0
@@ -250,6 +274,8 @@ def main():
         "hashed_bytes": hashed,
         "extras": extras,
         "free_bytes": free_bytes(repo_dir),
+        "cpus": cpu_count(),
+        "complete": not problems and any(m.startswith("trees/") for m in meta_files),
     }
     if problems and p["fail_on_problems"]:
         names = ", ".join(f"{x['path']} ({x['problem']})" for x in problems)
