@@ -256,7 +256,7 @@ def main() -> int:
         # 2. Nothing changed: the whole playbook again.
         rx = rx_bytes(WORKER)
         t_rerun = runner.run(model, *role_vars)
-        work_tasks = ("Verify the head's copy", "Locate or download the model", "List and verify the model's files",
+        work_tasks = ("Verify each node", "Locate or download the model", "List and verify the model's files",
                       "Verify the worker's copy", "Verify every file of the model")
         role_work = sum(t for name, t in runner.tasks.items() if any(w in name for w in work_tasks))
         results["rerun"] = {"s": round(t_rerun, 1), "wire_bytes": rx_bytes(WORKER) - rx,

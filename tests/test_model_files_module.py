@@ -156,3 +156,58 @@ def test_trust_outside_the_snapshot_is_ignored(tmp_path: Path, head: Path) -> No
     rc, result = worker_verify(tmp_path, worker, expected, ["model.safetensors", f"snapshots/{'f' * 40}/config.json"])
     assert rc == 0, result
     assert result["hashed_bytes"] == len(SHARD) + len(CONFIG)
+
+
+def test_the_cache_directory_is_made_with_its_owner_and_mode_then_left_alone(tmp_path: Path, head: Path) -> None:
+    import pwd
+
+    cache = tmp_path / "new" / "hub"
+    me = pwd.getpwuid(os.getuid()).pw_name
+    rc, result = run(tmp_path, repo_dir=str(cache / "models--org--name"), revision=COMMIT, missing_ok=True,
+                     cache_dir=str(cache), owner=me)
+    assert (rc, result["changed"]) == (0, True), result
+    assert cache.is_dir() and cache.stat().st_mode & 0o7777 == 0o755 and cache.stat().st_uid == os.getuid()
+    rc, result = run(tmp_path, repo_dir=str(cache / "models--org--name"), revision=COMMIT, missing_ok=True,
+                     cache_dir=str(cache), owner=me)
+    assert (rc, result["changed"]) == (0, False)
+    cache.chmod(0o700)
+    rc, result = run(tmp_path, repo_dir=str(cache / "models--org--name"), revision=COMMIT, missing_ok=True,
+                     cache_dir=str(cache), owner=me)
+    assert (rc, result["changed"], cache.stat().st_mode & 0o7777) == (0, True, 0o755)
+
+
+def test_a_cache_owner_that_is_no_user_is_named(tmp_path: Path) -> None:
+    rc, result = run(tmp_path, repo_dir=str(tmp_path / "hub/models--org--name"), revision=COMMIT, missing_ok=True,
+                     cache_dir=str(tmp_path / "hub"), owner="no-such-user-here")
+    assert rc == 1
+    assert result["msg"] == "the cache's owner no-such-user-here is not a user on this node (model_sync_user)"
+    assert not (tmp_path / "hub").exists()
+
+
+def test_a_file_where_the_cache_should_be_is_named(tmp_path: Path) -> None:
+    (tmp_path / "hub").write_text("not a directory")
+    rc, result = run(tmp_path, repo_dir=str(tmp_path / "hub/models--org--name"), revision=COMMIT, missing_ok=True,
+                     cache_dir=str(tmp_path / "hub"))
+    assert rc == 1
+    assert result["msg"] == f"{tmp_path / 'hub'} (model_sync_cache_dir) exists and is not a directory"
+
+
+def test_a_synced_worker_lists_the_heads_manifest_digest_and_a_changed_listing_does_not(tmp_path: Path,
+                                                                                       head: Path) -> None:
+    _rc, on_head = head_listing(tmp_path, head)
+    worker, _expected = worker_copy(tmp_path, head)
+    rc, own = run(tmp_path, repo_dir=str(worker), revision=COMMIT, missing_ok=True,
+                  state_file=str(tmp_path / "worker-state.json"))
+    assert rc == 0, own
+    assert own["complete"] is True
+    assert own["manifest_digest"] == on_head["manifest_digest"]
+    # A worker whose own listing drops a file (edited, or from another sync) is complete by itself, but not the
+    # head's: the role then checks it against the head's manifest.
+    tree_path = worker / "trees" / f"{COMMIT}.json"
+    tree = json.loads(tree_path.read_text())
+    del tree["files"]["config.json"]
+    tree_path.write_text(json.dumps(tree))
+    rc, own = run(tmp_path, repo_dir=str(worker), revision=COMMIT, missing_ok=True,
+                  state_file=str(tmp_path / "worker-state.json"))
+    assert (rc, own["complete"]) == (0, True)
+    assert own["manifest_digest"] != on_head["manifest_digest"]

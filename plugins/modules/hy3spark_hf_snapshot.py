@@ -16,7 +16,7 @@ description:
   - Reports changed only when files or refs were added.
 options:
   repo: {description: org/name on the hub., type: str, required: true}
-  revision: {description: Branch, tag or 40-character commit sha., type: str, required: true}
+  revision: {description: "Branch, tag or 40-character commit sha.", type: str, required: true}
   cache_dir: {description: The hub cache (HF_HUB_CACHE)., type: path, required: true}
   token: {description: Hub token; empty for none., type: str, no_log: true, default: ""}
   endpoint: {description: Hub endpoint (HF_ENDPOINT); empty for the Hugging Face Hub., type: str, default: ""}

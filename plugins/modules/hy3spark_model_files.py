@@ -16,31 +16,49 @@ description:
     checks that C(refs/<revision>) names the commit. Hashes are remembered per file by (size, mtime, ctime, inode)
     in I(state_file), so an unchanged file is not read again; any write to a file changes its ctime.
   - Returns C(complete) (nothing missing or wrong, and the file set is the hub's tree listing, not only the links
-    found), the number of usable CPUs (C(cpus)) and what this node needs (paths relative to I(repo_dir)), the same
-    split into at most I(streams) lists of about equal bytes (one per transfer stream; the largest file first, each
-    to the lightest list), and the free space where they would land.
+    found), C(manifest_digest) (one sha256 over the commit and every file's path, size and hashes, so a worker
+    that lists its own copy can be compared with the head in one step), the number of usable CPUs (C(cpus)) and
+    what this node needs (paths relative to I(repo_dir)), the same split into at most I(streams) lists of about
+    equal bytes (one per transfer stream; the largest file first, each to the lightest list), and the free space
+    where they would land.
 options:
   repo_dir: {description: The model's directory in the cache (models--org--name)., type: path, required: true}
-  revision: {description: Branch, tag or 40-character commit sha., type: str, required: true}
-  expected: {description: The head's result (commit, files, meta_files); omit on the head., type: dict}
-  verify_hashes: {description: Compare hashes, not only presence and size., type: bool, default: true}
-  rehash: {description: Hash every file again, ignoring the remembered hashes., type: bool, default: false}
+  revision: {description: "Branch, tag or 40-character commit sha.", type: str, required: true}
+  expected: {description: "The head's result (commit, files, meta_files); omit on the head.", type: dict}
+  verify_hashes: {description: "Compare hashes, not only presence and size.", type: bool, default: true}
+  rehash: {description: "Hash every file again, ignoring the remembered hashes.", type: bool, default: false}
   state_file: {description: Where the remembered hashes are kept (JSON); its directory is created., type: path}
   threads: {description: Files hashed in parallel., type: int, default: 4}
-  fail_on_problems: {description: Fail, naming every bad file, when anything is missing or wrong., type: bool,
-                     default: false}
+  fail_on_problems:
+    description: "Fail, naming every bad file, when anything is missing or wrong."
+    type: bool
+    default: false
   streams: {description: Lists to split what this node needs into (need_streams)., type: int, default: 1}
-  missing_ok: {description: On the head, a revision with no snapshot yet is a result (C(complete) false), not a
-               failure., type: bool, default: false}
-  trusted: {description: Paths (relative to I(repo_dir)) that rsync has just delivered and verified with its
-            whole-file transfer checksum against the head's verified copy. Their presence and size are checked; the
-            hub's hash is recorded for them without reading them again., type: list, elements: str, default: []}
+  cache_dir:
+    description: >-
+      The hub cache that holds I(repo_dir). It is made a directory (mode 0755) owned by I(owner) first, as
+      ansible.builtin.file would; the model's own directory is made by the download or by rsync.
+    type: path
+  owner: {description: Owner of I(cache_dir)., type: str}
+  missing_ok:
+    description: On the head, a revision with no snapshot yet is a result (C(complete) false), not a failure.
+    type: bool
+    default: false
+  trusted:
+    description: >-
+      Paths (relative to I(repo_dir)) that rsync has just delivered and verified with its whole-file transfer
+      checksum against the head's verified copy. Their presence and size are checked; the hub's hash is recorded
+      for them without reading them again.
+    type: list
+    elements: str
+    default: []
 """
 
 import contextlib
 import hashlib
 import json
 import os
+import pwd
 import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -147,6 +165,35 @@ def free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
+def ensure_cache_dir(module, path, owner):
+    """`path` a directory, mode 0755, owned by `owner` (its uid; the group is left alone). Returns changed."""
+    try:
+        uid = pwd.getpwnam(owner).pw_uid if owner else -1
+    except KeyError:
+        module.fail_json(msg=f"the cache's owner {owner} is not a user on this node (model_sync_user)")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not os.path.isdir(path):
+        module.fail_json(msg=f"{path} (model_sync_cache_dir) exists and is not a directory")
+    if st is not None and (uid == -1 or st.st_uid == uid) and st.st_mode & 0o7777 == 0o755:
+        return False
+    if not module.check_mode:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        os.chmod(path, 0o755)
+        if uid != -1:
+            os.chown(path, uid, -1)
+    return True
+
+
+def manifest_digest(commit, files):
+    """One sha256 over the commit and every file's path, size and hashes: two nodes whose listings give the same
+    digest hold the same manifest (a worker's own trees/<commit>.json is the head's, byte for byte, once synced)."""
+    canonical = json.dumps({"commit": commit, "files": sorted(files, key=lambda f: f["path"])}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def cpu_count():
     """The CPUs this process may run on (a cgroup or taskset limit counts), as `nproc` says."""
     try:
@@ -167,6 +214,8 @@ def main():
             "threads": {"type": "int", "default": 4},
             "fail_on_problems": {"type": "bool", "default": False},
             "streams": {"type": "int", "default": 1},
+            "cache_dir": {"type": "path"},
+            "owner": {"type": "str"},
             "missing_ok": {"type": "bool", "default": False},
             "trusted": {"type": "list", "elements": "str", "default": []},
         },
@@ -174,12 +223,13 @@ def main():
     )
     p = module.params
     repo_dir, revision, expected = p["repo_dir"].rstrip("/"), p["revision"], p["expected"]
+    changed = ensure_cache_dir(module, p["cache_dir"], p["owner"]) if p["cache_dir"] else False
 
     if expected is None:
         commit = resolve_commit(repo_dir, revision)
         if commit is None or not os.path.isdir(os.path.join(repo_dir, "snapshots", commit)):
             if p["missing_ok"]:
-                module.exit_json(changed=False, complete=False, commit=commit, cpus=cpu_count(),
+                module.exit_json(changed=changed, complete=False, commit=commit, cpus=cpu_count(),
                                  msg=f"no snapshot of {revision} in {repo_dir} yet")
             module.fail_json(msg=f"{repo_dir} has no snapshot for revision {revision} (refs/{revision} missing or "
                                  "no snapshots/<commit>/)", commit=commit)
@@ -261,7 +311,7 @@ def main():
         extras += [os.path.relpath(os.path.join(dirpath, n), snapshot) for n in sorted(filenames)
                    if os.path.relpath(os.path.join(dirpath, n), snapshot) not in listed]
     result = {
-        "changed": False,
+        "changed": changed,
         "commit": commit,
         "snapshot": snapshot,
         "files": files,
@@ -275,6 +325,7 @@ def main():
         "extras": extras,
         "free_bytes": free_bytes(repo_dir),
         "cpus": cpu_count(),
+        "manifest_digest": manifest_digest(commit, files),
         "complete": not problems and any(m.startswith("trees/") for m in meta_files),
     }
     if problems and p["fail_on_problems"]:
