@@ -253,6 +253,19 @@ def test_the_firewall_table_comes_back_with_a_rebooted_node() -> None:
     scenario.wait_for("the endpoint serving again", lambda: (s := scenario.supervisor_state(HEAD)).get("state")
                       == "serving" and s.get("pid") != old and scenario.answers(HEAD, "hy3", API_KEY), 600, every=2)
     print(f"worker rebooted, scanned and serving again in {time.monotonic() - started:.0f} s")
+    # The record the converge below writes holds the engine's processes (drift: PIDs and start times of the command
+    # lines that hold the serve command). Right after a recovery that set can still be settling (a process of the
+    # previous engine going, a child of the new one starting), and a record of it would make the in-sync re-runs
+    # after this file see "processes hy3-head" differ. So the converge waits for the same set 3 times, 10 s apart.
+    engine_rows = []
+
+    def settled() -> bool:
+        out = node(HEAD).run(f"docker top {CONTAINER[HEAD]} -eo pid,lstart,args")
+        rows = sorted(line for line in out.stdout.splitlines()[1:] if "vllm serve" in line) if out.rc == 0 else []
+        engine_rows.append(rows)
+        return len(engine_rows) >= 3 and bool(rows) and engine_rows[-3] == engine_rows[-2] == rows
+
+    scenario.wait_for("the engine's processes settled", settled, 240, every=10)
     # A clean run records the recovered nodes (the drift check's record), for the in-sync re-runs after this file;
     # it leaves the supervisor's engine alone.
     result = playbook(str(SCENARIO / "converge.yml"))
