@@ -144,7 +144,8 @@ class Runner:
                               capture_output=True, text=True)
         took = time.monotonic() - began
         if proc.returncode != 0:
-            raise SystemExit(f"bench: {play.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+            fatal = "\n".join(line for line in proc.stdout.splitlines() if line.startswith(("fatal:", "failed:")))
+            raise SystemExit(f"bench: {play.name} failed:\n{fatal}\n...\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
         # profile_tasks' summary: "<role> : <task> ------ 1.23s"
         self.tasks = {m.group(1).strip(): float(m.group(2)) for m in re.finditer(r"^(.+?) -{3,} (\d+\.\d+)s$",
                                                                                    proc.stdout, re.M)}
@@ -218,9 +219,9 @@ def main() -> int:
   hosts: hy3spark_cluster
   gather_facts: false
   become: true
-  tasks:
-    - name: Get the model on the head
-      ansible.builtin.include_role: {name: model_sync, tasks_from: prepare.yml}
+  roles:
+    - role: model_sync
+      vars: {model_sync_workers: []}
 """)
         results["head_download_s"] = round(runner.run(head_only, *role_vars), 1)
 
@@ -256,7 +257,7 @@ def main() -> int:
         # 2. Nothing changed: the whole playbook again.
         rx = rx_bytes(WORKER)
         t_rerun = runner.run(model, *role_vars)
-        work_tasks = ("Verify each node", "Locate or download the model", "List and verify the model's files",
+        work_tasks = ("Verify each node", "Get the hub's listing", "Find what the head lacks",
                       "Verify the worker's copy", "Verify every file of the model")
         role_work = sum(t for name, t in runner.tasks.items() if any(w in name for w in work_tasks))
         results["rerun"] = {"s": round(t_rerun, 1), "wire_bytes": rx_bytes(WORKER) - rx,

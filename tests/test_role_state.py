@@ -61,7 +61,7 @@ MANAGES: dict[str, tuple[str, str]] = {
     "community.docker.docker_image_pull": ("image", "name"),
     "community.docker.docker_image": ("image", "name"),
     "community.docker.docker_image_load": ("image", "path"),
-    "hy3spark.cluster.hy3spark_hf_snapshot": ("model", "cache_dir"),
+    "hy3spark.cluster.hy3spark_model_pipeline": ("model", "cache_dir"),
     "hy3spark.cluster.hy3spark_model_files": ("file", "state_file"),
     "hy3spark.cluster.hy3spark_drift": ("file", "record"),
 }
@@ -263,7 +263,7 @@ def targets(example: Path) -> Iterator[tuple[str, str, str, str, str]]:
                     t = templar(ChainMap({loop_var: item}, base) if "loop" in task else base)
                     try:
                         value = t.template(args.get(option, ".ssh/authorized_keys" if kind == "user_file" else None))
-                        if module == "hy3spark.cluster.hy3spark_hf_snapshot":
+                        if module == "hy3spark.cluster.hy3spark_model_pipeline":
                             repo = t.template(args["repo"])
                             value = f"{value.rstrip('/')}/models--{repo.replace('/', '--')}"
                     except AnsibleError as exc:
