@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hubdouble import HubDouble, generate  # noqa: E402
+from hubdouble import HubDouble, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "plugins/modules/hy3spark_model_pipeline.py"
