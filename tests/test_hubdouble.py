@@ -182,3 +182,23 @@ def test_offline_load_accepts_real_files_in_the_snapshot(repo_dir: Path, tmp_pat
     (snapshot / BIG).unlink()
     broken = _download("http://127.0.0.1:9", tmp_path / "worker", offline=True)
     assert broken.returncode != 0 and "incomplete" in broken.stderr.lower()
+
+
+def test_link_rate_is_shared_by_every_download(repo_dir: Path, tmp_path: Path) -> None:
+    """link_rate is one link for all responses: two snapshot downloads side by side take twice as long as the bytes
+    of one at that rate, where a per-response cap (rate) would let them finish in the time of one."""
+    link = 8 * MIB
+    with HubDouble(repo_dir, REPO, link_rate=link) as hub:
+        total = sum(f.size for f in hub.index.files.values())
+        began = time.monotonic()
+        procs = [subprocess.Popen([sys.executable, "-c", _DOWNLOAD, REPO, "main", str(tmp_path / str(i))],
+                                  env=_env(hub.endpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in range(2)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+        took = time.monotonic() - began
+    assert took >= 2 * total / link * 0.95, f"two downloads of {total} bytes took {took:.2f} s at {link} B/s"
+    for i in range(2):
+        blob = tmp_path / str(i) / "models--hubdouble--tiny-model" / "blobs" / hub.index.files[BIG].sha256
+        assert _sha256(blob) == hub.index.files[BIG].sha256

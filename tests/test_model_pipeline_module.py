@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,48 @@ def test_sending_alone_imports_no_huggingface_hub(served: HubDouble, tmp_path: P
     assert proc.returncode == 0, res
     assert res["transfers"]["w1"]["streams"] == 3 and res["transfers"]["w1"]["batches"] == 3
     assert all((worker / "snapshots" / out["commit"] / f["path"]).is_file() for f in out["files"])
+
+
+def test_the_sends_deadline_kills_its_rsyncs_and_names_the_stream(served: HubDouble, tmp_path: Path) -> None:
+    """timeout_s: a send slower than its budget is cut at the deadline (the whole process group, so no rsync is
+    left running) and fails naming the worker's stream and the role input that set the budget."""
+    cache, worker = tmp_path / "hub", tmp_path / "worker" / "models--acme--pipe"
+    out = manifest(tmp_path, served, cache)
+    rc, res = run(tmp_path, mode="download", repo=REPO, revision=served.commit, cache_dir=str(cache),
+                  endpoint=served.endpoint, commit=out["commit"], files=out["files"],
+                  fetch=[f["path"] for f in out["files"]])
+    assert rc == 0, res
+    sends = sends_for(out, cache / "models--acme--pipe", worker, 1)
+    sends[0]["argv"].insert(1, "--bwlimit=256")  # 256 KiB/s: the 7 MiB take about 28 s, the budget is 1 s
+    began = time.monotonic()
+    rc, sent = run(tmp_path, mode="send", repo=REPO, revision=served.commit, cache_dir=str(cache),
+                   commit=out["commit"], files=out["files"], sends=sends, timeout_s=1)
+    took = time.monotonic() - began
+    assert rc != 0 and "w1 stream 1: rsync exit 124: killed after the transfer's 1 s (model_sync_transfer_timeout_s)" \
+        in sent["msg"], sent
+    assert took < 10, f"the send ran {took:.1f} s past a 1 s budget"
+    left = subprocess.run(["pgrep", "-f", f"rsync.*{worker}"], capture_output=True, text=True, check=False)
+    assert left.stdout.strip() == "", f"rsync still running after the deadline: {left.stdout}"
+
+
+def test_the_sends_deadline_ends_a_wait_for_a_download_that_hangs(served: HubDouble, tmp_path: Path) -> None:
+    """A download that is alive but delivers nothing: the send's deadline ends the wait and names what it lacked."""
+    out = manifest(tmp_path, served, tmp_path / "hub")
+    ready = tmp_path / "state" / "ready.jsonl"
+    ready.parent.mkdir()
+    hung = subprocess.Popen(["sleep", "60"])
+    try:
+        ready.write_text(json.dumps({"pid": hung.pid}) + "\n")
+        cache, worker = tmp_path / "hub", tmp_path / "worker" / "models--acme--pipe"
+        began = time.monotonic()
+        rc, sent = run(tmp_path, mode="send", repo=REPO, revision=served.commit, cache_dir=str(cache),
+                       commit=out["commit"], files=out["files"], fetch=[f["path"] for f in out["files"]],
+                       ready_file=str(ready), sends=sends_for(out, cache / "models--acme--pipe", worker, 2),
+                       timeout_s=1)
+        took = time.monotonic() - began
+    finally:
+        hung.kill()
+        hung.wait()
+    assert rc != 0 and "not sent, the head could not get them" in sent["msg"], sent
+    assert took < 10, f"the send waited {took:.1f} s on a 1 s budget"
+    assert not (worker / "snapshots").exists()

@@ -23,7 +23,8 @@ description:
     over whatever of its list is ready, again and again until the list is done. Files not in I(fetch) are ready at
     once; the others when I(ready_file) says so. The listing and refs (meta files) go last, and only when every
     file is on the head and right. A file that failed on the head is never sent; a download that stops without
-    its C(done) line (killed) ends the wait. Fails naming the worker, the stream and rsync's error.
+    its C(done) line (killed) ends the wait. Fails naming the worker, the stream and rsync's error. With nothing
+    in I(fetch) it needs no download and may run in the foreground.
   - huggingface_hub is imported only by I(mode=manifest) (when the listing is not cached) and I(mode=download), so
     I(mode=send) runs on the node's system Python.
 options:
@@ -59,6 +60,14 @@ options:
       The ready list the download writes and the sender follows (JSON lines; the sender removes it when done).
       Required by I(mode=send) with I(fetch); without it a download tells no one.
     type: path
+  timeout_s:
+    description: >-
+      I(mode=send): longest the whole send may take (0: no limit). At the limit every rsync still running is
+      killed (its process group: runuser, rsync and ssh), what was not ready yet is given up, and the module fails
+      naming each stream that was cut. The worker keeps an interrupted file in rsync's partial dir; the next run
+      resumes from it.
+    type: int
+    default: 0
 """
 
 import contextlib
@@ -68,6 +77,7 @@ import os
 import pwd
 import queue
 import re
+import signal
 import subprocess
 import tempfile
 import threading
@@ -200,20 +210,45 @@ class Board:
                 self.cond.wait()
 
 
-def send_stream(board, argv, files, out):
+TIMED_OUT = 124  # timeout(1)'s exit status: the stream was killed at the deadline
+
+
+def run_rsync(argv, batch, deadline):
+    """One rsync over `batch` (its file list on stdin), in its own process group so a deadline kills all of it
+    (runuser, rsync and its ssh): returns (rc, stdout, stderr); rc TIMED_OUT when the deadline came first."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate("\n".join(batch) + "\n",
+                                          timeout=None if deadline is None else max(deadline - time.monotonic(), 0.01))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return TIMED_OUT, stdout, stderr
+    return proc.returncode, stdout, stderr
+
+
+def send_stream(board, argv, files, out, deadline=None, timeout_s=0):
     pending = list(files)
     while pending:
         batch = board.take(pending)
         if not batch:
             break
-        proc = subprocess.run(argv, input="\n".join(batch) + "\n", capture_output=True, text=True, check=False)
-        sent = re.findall(r"Total bytes sent: ([0-9,]+)", proc.stdout)
+        rc, stdout, stderr = run_rsync(argv, batch, deadline)
+        sent = re.findall(r"Total bytes sent: ([0-9,]+)", stdout)
         out["bytes_sent"] += int(sent[-1].replace(",", "")) if sent else 0
-        out["files"] += len([ln for ln in proc.stdout.splitlines() if re.match(r"^[<>ch.*][fdLDS]", ln)])
+        out["files"] += len([ln for ln in stdout.splitlines() if re.match(r"^[<>ch.*][fdLDS]", ln)])
         out["batches"] += 1
-        if proc.returncode != 0:
-            out["rc"] = proc.returncode
-            out["stderr"] = proc.stderr[-2000:]
+        if rc == TIMED_OUT:
+            out["rc"] = rc
+            out["stderr"] = (f"killed after the transfer's {timeout_s} s (model_sync_transfer_timeout_s) with "
+                             f"{len(pending)} file(s) of its share not done; the worker keeps the interrupted file "
+                             "in its partial dir and the next run resumes from it")
+            return
+        if rc != 0:
+            out["rc"] = rc
+            out["stderr"] = stderr[-2000:]
             return
         if out.get("first_sent_s") is None:
             out["first_sent_s"] = round(time.monotonic() - out["started"], 2)
@@ -318,12 +353,13 @@ def alive(pid):
     return True
 
 
-def feed(board, path, poll_s, pending, start_timeout_s=600):
+def feed(board, path, poll_s, pending, start_timeout_s=600, deadline=None):
     """Follow the download's ready list into the board until its done line. A download that never starts, or whose
-    process is gone without its done line (killed), ends the wait: what it did not deliver is not sent."""
+    process is gone without its done line (killed), ends the wait, and so does the send's deadline: what the
+    download did not deliver by then is not sent."""
     waited = 0.0
     while not os.path.exists(path):
-        if waited > start_timeout_s:
+        if waited > start_timeout_s or (deadline is not None and time.monotonic() > deadline):
             for rel in pending:
                 board.mark(rel, "the download never started")
             return
@@ -339,6 +375,10 @@ def feed(board, path, poll_s, pending, start_timeout_s=600):
                 if pid is not None and not alive(pid):
                     for rel in pending - board.ready - set(board.failed):
                         board.mark(rel, "the download stopped before it")
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    for rel in pending - board.ready - set(board.failed):
+                        board.mark(rel, "the transfer's time ran out before the head had it")
                     return
                 time.sleep(poll_s)
                 continue
@@ -360,19 +400,21 @@ def send(module, p, repo_dir):
                    if not rel.startswith(snap_rel)})
     board = Board(snap_rel + path for path in entries if path not in fetch)
     started = time.monotonic()
+    deadline = started + p["timeout_s"] if p["timeout_s"] > 0 else None
     senders, threads = [], []
     for item in p["sends"]:
         for i, files in enumerate(item["streams"]):
             out = {"worker": item["worker"], "stream": i + 1, "rc": 0, "files": 0, "bytes_sent": 0, "batches": 0,
                    "started": started}
             senders.append(out)
-            threads.append(threading.Thread(target=send_stream, args=(board, item["argv"], files, out), daemon=True))
+            threads.append(threading.Thread(target=send_stream, args=(board, item["argv"], files, out, deadline,
+                                                                      p["timeout_s"]), daemon=True))
     if not fetch:
         board.finish(meta)  # all on the head already: each stream sends its whole list in one rsync
     for t in threads:
         t.start()
     if fetch:
-        feed(board, p["ready_file"], 0.2, {snap_rel + path for path in fetch})
+        feed(board, p["ready_file"], 0.2, {snap_rel + path for path in fetch}, deadline=deadline)
         with contextlib.suppress(OSError):
             os.unlink(p["ready_file"])
         board.finish(meta)
@@ -417,6 +459,7 @@ def main():
             "fetch": {"type": "list", "elements": "str", "default": []},
             "sends": {"type": "list", "elements": "dict", "default": []},
             "ready_file": {"type": "path"},
+            "timeout_s": {"type": "int", "default": 0},
         },
     )
     p = module.params

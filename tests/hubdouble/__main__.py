@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--drop-once", action="append", default=[], metavar="FILE:BYTES",
                      help="cut the first GET of FILE after BYTES body bytes (repeatable)")
     srv.add_argument("--rate", type=int, help="cap each response at this many bytes/s")
+    srv.add_argument("--link-rate", type=int, help="cap all responses together at this many bytes/s (one link)")
     srv.add_argument("--no-redirect", action="store_true", help="serve LFS files in place instead of a 302")
     srv.add_argument("--log", help="append one JSON line per request to this file")
     srv.add_argument("--alias", action="append", default=["main"], help="revision names for the commit")
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             name, _, count = item.rpartition(":")
             drops[name] = int(count)
         serve(args.root, args.repo, host=args.host, port=args.port, cdn_port=args.cdn_port, token=token,
-              drop_once=drops, rate=args.rate, redirect_lfs=not args.no_redirect, log_path=args.log,
-              aliases=tuple(args.alias))
+              drop_once=drops, rate=args.rate, link_rate=args.link_rate, redirect_lfs=not args.no_redirect,
+              log_path=args.log, aliases=tuple(args.alias))
     return 0
 
 

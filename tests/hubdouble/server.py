@@ -13,7 +13,9 @@
 Test knobs: `token` (then the API and resolve URLs need `Authorization: Bearer <token>`; the CDN does not, like the
 Hub's signed URLs), `drop_once` (file -> byte count: the first GET of that file is cut after that many body bytes
 and the socket closed, the way a dropped connection looks), `rate` (bytes/s per response, to have time to kill a
-transfer). Every request is logged (method, path, status, range, whether auth was valid; never the token).
+transfer), `link_rate` (bytes/s shared by every response at once: one internet link, as a real download from
+the Hub is bound by the site's uplink, not by the server). Every request is logged (method, path, status, range,
+whether auth was valid; never the token).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class HubDouble:
 
     def __init__(self, root: str | os.PathLike[str], repo_id: str, *, host: str = "127.0.0.1", port: int = 0,
                  cdn_port: int = 0, token: str | None = None, drop_once: dict[str, int] | None = None,
-                 rate: int | None = None,
+                 rate: int | None = None, link_rate: int | None = None,
                  redirect_lfs: bool = True, log_path: str | os.PathLike[str] | None = None,
                  aliases: tuple[str, ...] = ("main",)) -> None:
         self.root = Path(root)
@@ -56,6 +58,8 @@ class HubDouble:
         self.token = token
         self.drop_once = dict(drop_once or {})
         self.rate = rate
+        self.link_rate = link_rate
+        self._link_free_at = 0.0  # when the shared link has sent everything queued on it so far
         self.redirect_lfs = redirect_lfs
         self.aliases = aliases
         self.log_path = Path(log_path) if log_path else None
@@ -69,6 +73,16 @@ class HubDouble:
         self.cdn = ThreadingHTTPServer((host, cdn_port), _handler_for(self))
         self.cdn.daemon_threads = True
         self._threads: list[threading.Thread] = []
+
+    def pace_link(self, nbytes: int) -> None:
+        """Wait for `nbytes` to cross the shared link: each chunk takes its slot after the ones queued before it."""
+        if not self.link_rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._link_free_at = max(now, self._link_free_at) + nbytes / self.link_rate
+            wait = self._link_free_at - now
+        time.sleep(wait)
 
     @property
     def commit(self) -> str:
@@ -281,6 +295,7 @@ def _handler_for(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                         except OSError:  # the client went away (a killed download): nothing left to do
                             break
                         sent += len(chunk)
+                        hub.pace_link(len(chunk))
                         if hub.rate:
                             ahead = sent / hub.rate - (time.monotonic() - began)
                             if ahead > 0:
