@@ -15,6 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "plugins/modules/hy3spark_model_files.py"
+# The module imports the collection's module_utils by full name: run it with the checkout's collection link on the
+# path, as Ansible's packaging of the module provides it on a node.
+MODULE_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "collections"),
+                                                                         os.environ.get("PYTHONPATH")])))
 COMMIT = "c0ffee" + "0" * 34
 SHARD = b"weights" * 100_000
 CONFIG = b'{"model_type": "hy3"}\n'
@@ -24,7 +28,7 @@ def run(tmp: Path, **params: object) -> tuple[int, dict]:
     args = tmp / "args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": params}))
     proc = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=120,
-                          check=False)
+                          check=False, env=MODULE_ENV)
     result = json.loads(proc.stdout)
     result.pop("invocation", None)
     return proc.returncode, result

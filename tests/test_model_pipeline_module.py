@@ -21,6 +21,15 @@ from hubdouble import HubDouble, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ROOT / "plugins/modules/hy3spark_model_pipeline.py"
+# The module imports the collection's module_utils by full name: the checkout's collection link on the path stands
+# for what Ansible packs with the module for a node.
+COLLECTIONS = str(ROOT / "collections")
+
+
+def module_env(*first: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["PYTHONPATH"] = os.pathsep.join([*first, COLLECTIONS, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
 REPO = "acme/pipe"
 MIB = 1 << 20
 
@@ -28,7 +37,7 @@ MIB = 1 << 20
 def run(tmp: Path, **params: object) -> tuple[int, dict]:
     args = tmp / "args.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": params}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env = module_env()
     env["HF_HOME"] = str(tmp / "hf-home")
     proc = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=300,
                           check=False, env=env)
@@ -88,7 +97,7 @@ def test_manifest_writes_the_hubs_listing_and_a_second_call_needs_no_hub(served:
 def start(tmp: Path, name: str, **params: object) -> subprocess.Popen[str]:
     args = tmp / f"{name}.json"
     args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": params}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env = module_env()
     env["HF_HOME"] = str(tmp / "hf-home")
     return subprocess.Popen([sys.executable, str(MODULE), str(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -186,7 +195,7 @@ def test_sending_alone_imports_no_huggingface_hub(served: HubDouble, tmp_path: P
         "mode": "send", "repo": REPO, "revision": served.commit, "cache_dir": str(cache),
         "commit": out["commit"], "files": out["files"], "fetch": [],
         "sends": sends_for(out, cache / "models--acme--pipe", worker, 3)}}))
-    env = dict(os.environ, PYTHONPATH=f"{blocker}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = module_env(str(blocker))
     proc = subprocess.run([sys.executable, str(MODULE), str(args)], capture_output=True, text=True, timeout=120,
                           check=False, env=env)
     res = json.loads(proc.stdout)

@@ -64,10 +64,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.hy3spark.cluster.plugins.module_utils.hub_hash import file_digest
 
 SHA1 = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
-CHUNK = 8 << 20
 
 
 def resolve_commit(repo_dir, revision):
@@ -127,18 +127,6 @@ def save_state(path, state):
         json.dump(state, fh, indent=0, sort_keys=True)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
-
-
-def hash_file(path, size, kind):
-    """The one hash the hub published for this file: sha256 (LFS) or git's blob sha1 (the others)."""
-    digest = hashlib.sha256() if kind == "sha256" else hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as fh:
-        while True:
-            chunk = fh.read(CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-    return {kind: digest.hexdigest()}
 
 
 def split_streams(need, sizes, streams):
@@ -270,7 +258,7 @@ def main():
                 to_hash.append((entry, full, stamp, kind))
     hashed = 0
     with ThreadPoolExecutor(max_workers=max(1, p["threads"])) as pool:
-        results = pool.map(lambda item: hash_file(item[1], item[2][0], item[3]), to_hash)
+        results = pool.map(lambda item: {item[3]: file_digest(item[1], item[3])}, to_hash)
         for (entry, _full, stamp, _kind), digest in zip(to_hash, results, strict=True):
             new_state[entry["path"]] = {"stamp": stamp, **digest}
             hashed += stamp[0]

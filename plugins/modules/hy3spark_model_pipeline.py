@@ -71,7 +71,6 @@ options:
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import pwd
@@ -85,9 +84,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.hy3spark.cluster.plugins.module_utils.hub_hash import matches_listing
 
 SHA1 = re.compile(r"^[0-9a-f]{40}$")
-CHUNK = 8 << 20
 
 
 def hub_env(endpoint):
@@ -158,20 +157,6 @@ def manifest(module, p, repo_dir):
                       "git_sha1": None if lfs else info.get("blob_id")})
     return {"changed": listed, "commit": commit, "files": files, "meta_files": meta,
             "total_bytes": sum(f["size"] for f in files), "cpus": len(os.sched_getaffinity(0))}
-
-
-def hash_file(path, entry):
-    """True when the file holds what the listing says: the sha256 of an LFS file, else git's blob sha1."""
-    if entry.get("sha256"):
-        digest, want = hashlib.sha256(), entry["sha256"]
-    elif entry.get("git_sha1"):
-        digest, want = hashlib.sha1(b"blob %d\0" % os.stat(path).st_size), entry["git_sha1"]
-    else:
-        return os.stat(path).st_size == entry["size"]
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest() == want
 
 
 class Board:
@@ -310,7 +295,7 @@ def download(module, p, repo_dir):
         checks = queue.Queue()
 
         def check(path, got):
-            ok = hash_file(got, entries[path])
+            ok = matches_listing(got, entries[path])
             board.mark(snap_rel + path, None if ok else "hash differs from the hub's listing")
 
         def get(path):
