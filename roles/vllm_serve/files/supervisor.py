@@ -212,8 +212,10 @@ class Supervisor:
             return 0
 
     def serving(self, pid: int) -> None:
-        self.set_state("serving", "", pid=pid)
+        # The run record first: whoever reads the state "serving" with this PID (an Ansible run, a test) finds the
+        # record naming the same PID, never the one before it.
         self.record_pid(pid)
+        self.set_state("serving", "", pid=pid)
 
     def watch(self, adopted: bool = False) -> str:
         """Until the engine is gone, or stopped for failing /health: count a restart and return why that was a failed
