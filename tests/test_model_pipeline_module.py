@@ -179,13 +179,18 @@ def test_a_killed_download_ends_the_senders_wait(served: HubDouble, tmp_path: Pa
     assert not (worker / "snapshots").exists()
 
 
-def test_sending_alone_imports_no_huggingface_hub(served: HubDouble, tmp_path: Path) -> None:
-    cache, worker = tmp_path / "hub", tmp_path / "worker" / "models--acme--pipe"
-    out = manifest(tmp_path, served, cache)
-    rc, res = run(tmp_path, mode="download", repo=REPO, revision=served.commit, cache_dir=str(cache),
-                  endpoint=served.endpoint, commit=out["commit"], files=out["files"],
-                  fetch=[f["path"] for f in out["files"]])
+def head_with_everything(tmp: Path, hub: HubDouble) -> tuple[Path, Path, dict]:
+    """The head's cache with the whole model downloaded and verified: (cache, the worker's model dir, manifest)."""
+    cache, worker = tmp / "hub", tmp / "worker" / "models--acme--pipe"
+    out = manifest(tmp, hub, cache)
+    rc, res = run(tmp, mode="download", repo=REPO, revision=hub.commit, cache_dir=str(cache), endpoint=hub.endpoint,
+                  commit=out["commit"], files=out["files"], fetch=[f["path"] for f in out["files"]])
     assert rc == 0, res
+    return cache, worker, out
+
+
+def test_sending_alone_imports_no_huggingface_hub(served: HubDouble, tmp_path: Path) -> None:
+    cache, worker, out = head_with_everything(tmp_path, served)
     # The head holds it all now; a pure send runs with huggingface_hub made unimportable.
     blocker = tmp_path / "nohub"
     (blocker / "huggingface_hub").mkdir(parents=True)
@@ -207,14 +212,11 @@ def test_sending_alone_imports_no_huggingface_hub(served: HubDouble, tmp_path: P
 def test_the_sends_deadline_kills_its_rsyncs_and_names_the_stream(served: HubDouble, tmp_path: Path) -> None:
     """timeout_s: a send slower than its budget is cut at the deadline (the whole process group, so no rsync is
     left running) and fails naming the worker's stream and the role input that set the budget."""
-    cache, worker = tmp_path / "hub", tmp_path / "worker" / "models--acme--pipe"
-    out = manifest(tmp_path, served, cache)
-    rc, res = run(tmp_path, mode="download", repo=REPO, revision=served.commit, cache_dir=str(cache),
-                  endpoint=served.endpoint, commit=out["commit"], files=out["files"],
-                  fetch=[f["path"] for f in out["files"]])
-    assert rc == 0, res
+    cache, worker, out = head_with_everything(tmp_path, served)
     sends = sends_for(out, cache / "models--acme--pipe", worker, 1)
     sends[0]["argv"].insert(1, "--bwlimit=256")  # 256 KiB/s: the 7 MiB take about 28 s, the budget is 1 s
+    # rsync under a parent that forks it, as runuser does in the role: killing the parent alone would leave it.
+    sends[0]["argv"] = ["sh", "-c", 'rsync "$@"; exit $?', "sh", *sends[0]["argv"][1:]]
     began = time.monotonic()
     rc, sent = run(tmp_path, mode="send", repo=REPO, revision=served.commit, cache_dir=str(cache),
                    commit=out["commit"], files=out["files"], sends=sends, timeout_s=1)
